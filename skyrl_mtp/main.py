@@ -1,0 +1,72 @@
+"""Command-line entry point: `skyrl-mtp recipe=NAME key=value ... [--cfg job]`.
+
+Composes and validates the config before anything expensive starts, then hands it to the
+trainer launcher. `--cfg job` prints the resolved config and exits; `--help` lists recipes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from skyrl_mtp.config import ConfigError, load_config, to_yaml
+from skyrl_mtp.config.loader import _split_overrides, available_recipes, recipe_dirs
+
+USAGE = """usage: skyrl-mtp [recipe=NAME] [recipe_dir=DIR] [key=value ...] [--cfg job]
+
+  recipe=NAME      a recipe from recipes/ (or recipe_dir=DIR, or $SKYRL_MTP_RECIPE_DIR)
+  key=value        Hydra overrides, e.g. trainer.mtp.num_speculative_tokens=3 trainer.total_steps=20
+  --cfg job        print the resolved config and exit
+  --help           this text and the available recipes
+"""
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], str | None, bool]:
+    overrides: list[str] = []
+    show: str | None = None
+    want_help = False
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            want_help = True
+        elif arg in ("--cfg", "-c"):
+            show = next(it, None)
+            if show not in ("job", "all"):
+                raise ConfigError([f"--cfg={show!r} is invalid: must be 'job' or 'all'"])
+        elif arg.startswith("--cfg="):
+            show = arg.split("=", 1)[1]
+            if show not in ("job", "all"):
+                raise ConfigError([f"--cfg={show!r} is invalid: must be 'job' or 'all'"])
+        elif arg.startswith("-"):
+            raise ConfigError([f"{arg}: unknown option; allowed: --cfg job, --help"])
+        else:
+            overrides.append(arg)
+    return overrides, show, want_help
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        overrides, show, want_help = parse_args(argv)
+        if want_help:
+            cli, _ = _split_overrides(overrides)
+            names = sorted(available_recipes(recipe_dirs(cli.get("recipe_dir"))))
+            print(USAGE + "\nrecipes: " + ", ".join(names))
+            return 0
+        cfg = load_config(overrides)
+    except ConfigError as err:
+        print(f"skyrl-mtp: {err}", file=sys.stderr)
+        return 2
+    if show is not None:
+        print(to_yaml(cfg), end="")
+        return 0
+    from skyrl_mtp.trainer.launch import run
+
+    return run(cfg)
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
