@@ -44,6 +44,17 @@ def propagate_mtp_knob(cfg: DictConfig) -> DictConfig:
             problems.append(problem("megatron.mtp_loss_weight", meg.mtp_loss_weight,
                                     f"contradicts trainer.mtp.loss_weight={knob.loss_weight!r}; leave it null or make them equal"))
         wanted = speculative_config_for(k)
+        if not knob.get("draft_in_rollouts", True):
+            if gen.speculative_config is not None:
+                problems.append(problem("generator.speculative_config",
+                                        OmegaConf.to_container(gen.speculative_config, resolve=True),
+                                        "contradicts trainer.mtp.draft_in_rollouts=false; leave it null"))
+            if problems:
+                raise ConfigError(problems)
+            with open_dict(cfg):
+                meg.mtp_loss_type = knob.loss_type
+                meg.mtp_loss_weight = float(knob.loss_weight)
+            return cfg
         if gen.speculative_config is not None:
             given = OmegaConf.to_container(gen.speculative_config, resolve=True)
             if given.get("method") != "mtp" or int(given.get("num_speculative_tokens", -1)) != k:

@@ -9,7 +9,7 @@ derivation of low-level MTP settings from `trainer.mtp` lives in `mtp_knob.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
 ADVANTAGE_ESTIMATORS = ("grpo",)
@@ -32,6 +32,10 @@ class MTPConfig:
     num_speculative_tokens: int = 2
     loss_type: str = "soft_ce"
     loss_weight: float = 1.0
+    # false: train the head but roll out without speculative decoding (e.g. to warm the head up
+    # before drafting with it, or to compare policies bitwise: without drafts, seeded rollouts are
+    # a function of the policy alone).
+    draft_in_rollouts: bool = True
 
 
 @dataclass
@@ -60,7 +64,7 @@ class WarmStartConfig:
     steps: int = 200
     lr: float = 3e-3
     batch_size: int = 32
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -69,6 +73,9 @@ class TrainerConfig:
     total_steps: int = 10
     epochs: int = 1
     train_batch_size: int = 8
+    # Prompts per optimizer step: the step's batch is split into mini-batches, each one update of the
+    # policy and the head (old logprobs are computed once, before the first). None = one update per step.
+    policy_mini_batch_size: int | None = None
     eval_every_n_steps: int = 0
     eval_batch_size: int = 16
     run_dir: str = "runs/default"
@@ -100,9 +107,9 @@ class MegatronConfig:
     micro_batch_size: int = 4
     dtype: str = "float32"
     # None means "derive": from trainer.mtp (loss settings) or from the checkpoint (mtp_num_layers).
-    mtp_num_layers: Optional[int] = None
-    mtp_loss_type: Optional[str] = None
-    mtp_loss_weight: Optional[float] = None
+    mtp_num_layers: int | None = None
+    mtp_loss_type: str | None = None
+    mtp_loss_weight: float | None = None
     mtp_loss_topk: int = 32
     mtp_loss_chunk_size: int = 1024
     mtp_detach_trunk: bool = True
@@ -127,7 +134,7 @@ class GeneratorConfig:
     num_engines: int = 1
     tensor_parallel_size: int = 1
     # None means "derive from trainer.mtp"; an explicit value must agree with it.
-    speculative_config: Optional[dict[str, Any]] = None
+    speculative_config: dict[str, Any] | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     n_samples_per_prompt: int = 4
@@ -161,7 +168,7 @@ class AlgorithmConfig:
     policy_loss_type: str = "dapo"
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
-    dual_clip_c: Optional[float] = None
+    dual_clip_c: float | None = None
     loss_reduction: str = "token_mean"
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_filtering: bool = False
@@ -180,12 +187,12 @@ class TinyModelConfig:
     vocab: int = 512
     mtp_layers: int = 1
     seed: int = 0
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
 
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None
+    path: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -194,10 +201,12 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     # When set, the task's data is generated locally instead of read from train_files.
-    synthetic: Optional[str] = None
+    synthetic: str | None = None
     synthetic_num_train: int = 2000
     synthetic_num_val: int = 64
-    synthetic_dir: Optional[str] = None
+    # operand digits of the synthetic arithmetic task
+    synthetic_digits: int = 2
+    synthetic_dir: str | None = None
     max_prompt_length: int = 256
     shuffle: bool = True
     skip_malformed: bool = False
@@ -205,14 +214,14 @@ class DataConfig:
 
 @dataclass
 class MathEnvConfig:
-    answer_pattern: Optional[str] = None
+    answer_pattern: str | None = None
     timeout_s: float = 5.0
 
 
 @dataclass
 class SearchEnvConfig:
-    retriever_url: Optional[str] = None
-    corpus_file: Optional[str] = None
+    retriever_url: str | None = None
+    corpus_file: str | None = None
     topk: int = 3
     timeout_s: float = 5.0
     max_retries: int = 2

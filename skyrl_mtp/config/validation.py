@@ -43,8 +43,35 @@ class _Checker:
             self.problems.append(problem(key, value, "path does not exist"))
 
 
+# Recipes for real models mark the paths only the user knows with a string value starting with this.
+REQUIRED_PREFIX = "REQUIRED:"
+
+
+def required_placeholders(cfg: DictConfig) -> list[str]:
+    """One problem per value a recipe left for the user to set (a string starting with 'REQUIRED:')."""
+    out: list[str] = []
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(node, str) and node.startswith(REQUIRED_PREFIX):
+            base = key.split("[")[0]
+            example = f"{base}=[/your/file,...]" if "[" in key else f"{base}=/your/path"
+            out.append(problem(key, node, f"this recipe leaves it for you to set; pass {example} on the command line"))
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return out
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError naming every invalid key of `cfg` (after `propagate_mtp_knob`)."""
+    placeholders = required_placeholders(cfg)
+    if placeholders:     # the other checks would only add noise about the same placeholder paths
+        raise ConfigError(placeholders)
     c = _Checker(cfg)
 
     # trainer
@@ -53,6 +80,10 @@ def validate_config(cfg: DictConfig) -> None:
     c.at_least("trainer.train_batch_size", 1)
     c.at_least("trainer.eval_every_n_steps", 0)
     c.at_least("trainer.eval_batch_size", 1)
+    mini = cfg.trainer.policy_mini_batch_size
+    if mini is not None and not (1 <= mini <= cfg.trainer.train_batch_size):
+        c.problems.append(problem("trainer.policy_mini_batch_size", mini,
+                                  f"must be null or in [1, trainer.train_batch_size={cfg.trainer.train_batch_size}]"))
     c.choice("trainer.resume", S.RESUME_MODES)
     c.at_least("trainer.checkpoint.every_n_steps", 0)
     c.at_least("trainer.checkpoint.keep_last", 1)
@@ -63,6 +94,9 @@ def validate_config(cfg: DictConfig) -> None:
         c.at_least(f"trainer.placement.{key}", 1)
     for key in ("gpus_per_policy_worker", "gpus_per_engine"):
         c.at_least(f"trainer.placement.{key}", 0)
+    from skyrl_mtp.cluster.placement import placement_problems  # lazy: placement imports config.errors
+
+    c.problems += placement_problems(cfg)   # GPU/CPU consistency, GPUs per engine = TP, colocation shape
     c.choice("trainer.mtp.loss_type", S.DRAFT_LOSS_TYPES)
     c.at_least("trainer.mtp.loss_weight", 0.0)
     if cfg.trainer.mtp.enabled:
@@ -158,6 +192,7 @@ def validate_config(cfg: DictConfig) -> None:
     c.at_least("data.max_prompt_length", 1)
     c.at_least("data.synthetic_num_train", 1)
     c.at_least("data.synthetic_num_val", 1)
+    c.at_least("data.synthetic_digits", 1)
 
     # environment
     c.choice("environment.name", S.ENVIRONMENTS)

@@ -77,3 +77,22 @@ def test_cli_override_reaches_derived_keys():
     propagate_mtp_knob(cfg)
     assert cfg.generator.speculative_config.num_speculative_tokens == 3
     assert cfg.megatron.mtp_loss_type == "tv"
+
+
+def test_draft_in_rollouts_false_trains_head_without_speculative_decoding():
+    from skyrl_mtp.config import load_config
+
+    cfg = load_config(["recipe=tiny_dapo", "trainer.mtp.draft_in_rollouts=false"])
+    assert cfg.generator.speculative_config is None
+    assert cfg.megatron.mtp_loss_type == cfg.trainer.mtp.loss_type
+    assert cfg.megatron.mtp_loss_weight == 1.0
+
+
+def test_draft_in_rollouts_false_contradicts_explicit_speculative_config():
+    import pytest
+
+    from skyrl_mtp.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="draft_in_rollouts=false"):
+        load_config(["recipe=tiny_dapo", "trainer.mtp.draft_in_rollouts=false",
+                     "+generator.speculative_config={method: mtp, num_speculative_tokens: 2}"])

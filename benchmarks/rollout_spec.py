@@ -1,0 +1,164 @@
+"""Rollout throughput with and without MTP speculative decoding (vLLM, same engine build, same prompts).
+
+Why it exists: speculative decoding only pays when drafts are accepted AND drafting is cheap next to the
+target forward. This measures both ends: an oracle MTP head (drafts always accepted: the upper bound)
+and a random head (drafts never accepted: the lower bound, the pure cost of speculating), for k = 1..3,
+against no speculative decoding, on a model big enough that CPU decoding is not pure per-step overhead.
+
+For each k one engine is started on the oracle checkpoint; the random head is then loaded into the same
+engine with the project's weight sync (worker extension), so both heads run on an identical build.
+Generation ignores EOS so every configuration emits the same number of tokens.
+
+Predicted speedup = (1 + sum_i acceptance_pos_i) / (1 + k * c): tokens per target step over the cost
+of one step (verify ~ one target forward, plus k draft forwards). c, the cost of one draft forward
+relative to a target forward, is estimated from parameter counts (MTP layer + shared lm_head over the
+trunk + lm_head, matmul FLOPs per token); the measured lower bound shows how good that estimate is.
+
+    python benchmarks/rollout_spec.py [--json OUT] [--ks 1 2 3] [--batch 4] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def draft_cost_ratio(spec) -> float:
+    """Matmul parameters touched per token by one MTP draft step over one target step (tiny MiMo layout)."""
+    h, i, v = spec.hidden, spec.intermediate, spec.vocab
+    d = spec.head_dim
+    block = h * spec.heads * d * 2 + h * spec.kv_heads * d * 2 + 3 * h * i
+    lm_head = v * h
+    return (block + 2 * h * h + lm_head) / (spec.layers * block + lm_head)
+
+
+def counters(llm) -> dict[str, object]:
+    out: dict[str, object] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = float(m.value)
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = float(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = float(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = [float(x) for x in m.values]
+    return out
+
+
+def measure(llm, prompts, params, reps: int) -> dict[str, object]:
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], params, use_tqdm=False)   # warm up
+    before = counters(llm)
+    times, tokens = [], 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    after = counters(llm)
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    draft_tokens = after["draft_tokens"] - before["draft_tokens"]
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0.0] * len(after["per_pos"]))]
+    times.sort()
+    return {
+        "tokens_per_s": tokens / times[len(times) // 2],
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_pos": [x / drafts for x in per_pos] if drafts else [],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write {'rows': [...]} here")
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1408)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--cache", default=str(REPO / ".cache" / "bench_tiny"))
+    a = ap.parse_args()
+    if any(k < 1 for k in a.ks):
+        ap.error(f"--ks={a.ks} is invalid: every k must be >= 1 (k=0, no spec, is always measured)")
+
+    from skyrl_mtp.runtime_env import configure_offline_caches
+
+    configure_offline_caches(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
+    import torch
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+
+    from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
+    from skyrl_mtp.rollout.engine import WORKER_EXTENSION_CLS
+    from skyrl_mtp.rollout.weight_sync import serialize_weights
+
+    shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                 intermediate=a.intermediate, vocab=a.vocab, mtp_layers=1, seed=0)
+    oracle = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="oracle", **shape))
+    random_ckpt = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="random", **shape))
+    random_blob = serialize_weights(load_file(str(random_ckpt / "model.safetensors")))
+    c = draft_cost_ratio(TinyModelSpec(**shape))
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=1)
+    base = dict(model=str(oracle), max_model_len=a.prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batch, 1),
+                kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, dtype="float32", seed=0,
+                disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION_CLS)
+
+    rows = []
+    for k in [0, *a.ks]:
+        spec_cfg = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        llm = LLM(**base, speculative_config=spec_cfg)
+        try:
+            heads = ["oracle", "random"] if k else [None]
+            for head in heads:
+                if head == "random":
+                    llm.collective_rpc("skyrl_load_weights_bytes", args=(random_blob,))
+                    llm.reset_prefix_cache()
+                r = measure(llm, prompts, params, a.reps)
+                predicted = (1 + sum(r["per_pos"])) / (1 + k * c) if k else 1.0
+                rows.append({"head": head, "k": k, "tokens_per_s": r["tokens_per_s"],
+                             "acceptance_rate": r["acceptance_rate"],
+                             "mean_acceptance_length": r["mean_acceptance_length"],
+                             "speedup_vs_no_spec": None, "predicted_speedup": predicted})
+                print(f"k={k} head={head}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    base_tps = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["speedup_vs_no_spec"] = row["tokens_per_s"] / base_tps
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    print(f"\nmodel: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} vocab={a.vocab} fp32; "
+          f"batch={a.batch} prompt_len={a.prompt_len} max_tokens={a.max_tokens} (greedy, EOS ignored); "
+          f"draft cost ratio c={c:.3f} (parameter estimate)")
+    print(f"{'head':>7} {'k':>2} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'speedup':>8} {'predicted':>9}")
+    for row in rows:
+        print(f"{str(row['head']):>7} {row['k']:>2} {row['tokens_per_s']:>8.1f} "
+              f"{fmt(row['acceptance_rate'], '.3f'):>7} {fmt(row['mean_acceptance_length'], '.2f'):>8} "
+              f"{row['speedup_vs_no_spec']:>7.2f}x {row['predicted_speedup']:>8.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

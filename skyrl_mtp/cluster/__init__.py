@@ -1,0 +1,1 @@
+"""Running recipes on Ray clusters: job submission (`submit`) and resource placement (`placement`)."""

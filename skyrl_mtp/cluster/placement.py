@@ -1,0 +1,228 @@
+"""Where engines and policy workers run: a bundle plan checked against what the Ray cluster has.
+
+A run asks for `generator.num_engines` vLLM engines of `generator.tensor_parallel_size` GPUs each
+and `trainer.placement.policy_num_workers` Megatron ranks (= tp*pp*cp*dp), either in separate GPU
+pools or colocated (each GPU hosts one policy rank and one engine rank; engines sleep while the
+policy trains). Planning is a pure function of the config and of the resources Ray reports, so
+an impossible request fails before any actor starts, with the numbers that do not add up.
+
+The plan is one placement group (strategy PACK):
+- separate: one bundle per engine `{CPU: cpus_per_engine, GPU: TP}` (an engine's TP GPUs must sit
+  on one node; vLLM's multiprocessing executor uses the GPUs visible to the engine actor), then
+  one bundle per policy rank `{CPU: cpus_per_policy_worker, GPU: 1}`.
+- colocated (GPU): one bundle per engine `{CPU: cpus_per_engine + TP*cpus_per_policy_worker,
+  GPU: TP}`, holding that engine and the TP policy ranks that share its GPUs. Ray accounts the
+  GPUs to the policy ranks (num_gpus=1 each); the engine actor takes num_gpus=0 and must be given
+  the GPU ids of `shares_gpus_with` (CUDA_VISIBLE_DEVICES), which are on its node by construction.
+- CPU (all gpus_* = 0): like separate with GPU 0; `colocate` changes nothing on CPU (there is no
+  device memory to hand over, and vLLM's sleep is a no-op there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl_mtp.config.errors import problem
+
+
+class PlacementError(ValueError):
+    """The requested layout is impossible, in itself or on this cluster; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class ActorPlacement:
+    role: str                       # "engine" or "policy"
+    index: int                      # engine index, or policy rank
+    bundle_index: int               # into PlacementPlan.bundles
+    num_cpus: float
+    num_gpus: float
+    shares_gpus_with: tuple[int, ...] = ()   # colocated engine: the policy ranks whose GPUs it uses
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    device: str                                  # "cpu" or "gpu"
+    colocate: bool                               # GPUs actually shared (False on CPU)
+    bundles: tuple[dict[str, float], ...]
+    strategy: str
+    engines: tuple[ActorPlacement, ...]
+    policy: tuple[ActorPlacement, ...]
+    required: dict[str, float]                   # totals over bundles: {"CPU": .., "GPU": ..}
+
+    def describe(self) -> str:
+        lines = [f"placement ({self.device}, {'colocated' if self.colocate else 'separate'}): "
+                 f"{len(self.bundles)} bundles, needs {_fmt(self.required.get('GPU', 0))} GPU / "
+                 f"{_fmt(self.required.get('CPU', 0))} CPU"]
+        for a in self.engines + self.policy:
+            share = f", shares GPUs of policy ranks {list(a.shares_gpus_with)}" if a.shares_gpus_with else ""
+            lines.append(f"  {a.role} {a.index}: bundle {a.bundle_index} {self.bundles[a.bundle_index]} "
+                         f"(actor num_cpus={_fmt(a.num_cpus)}, num_gpus={_fmt(a.num_gpus)}{share})")
+        return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def placement_problems(cfg: Any) -> list[str]:
+    """Problems of the requested layout itself (no cluster needed); empty when consistent.
+
+    Assumes the range checks of validate_config (counts >= 1, gpus >= 0) already hold.
+    """
+    pl = cfg.trainer.placement
+    engines, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
+    workers = int(pl.policy_num_workers)
+    ge, gw = pl.gpus_per_engine, pl.gpus_per_policy_worker
+    out: list[str] = []
+    if (ge > 0) != (gw > 0):
+        out.append(problem("trainer.placement.gpus_per_engine" if ge == 0 else "trainer.placement.gpus_per_policy_worker",
+                           ge if ge == 0 else gw,
+                           f"engines and policy workers must both use GPUs or both use CPUs (gpus_per_engine={ge}, "
+                           f"gpus_per_policy_worker={gw}); the NCCL weight sync needs both on GPUs"))
+        return out
+    if ge == 0:
+        return out
+    if ge != tp:
+        out.append(problem("trainer.placement.gpus_per_engine", ge,
+                           f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
+                           "engine), or 0 for CPU engines"))
+    if gw != 1:
+        out.append(problem("trainer.placement.gpus_per_policy_worker", gw,
+                           "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers"))
+    if pl.colocate and engines * tp != workers:
+        out.append(problem("trainer.placement.colocate", True,
+                           f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
+                           f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
+                           "hosts one policy rank and one engine rank); or set colocate=false for separate pools"))
+    return out
+
+
+def build_plan(cfg: Any) -> PlacementPlan:
+    """The bundle plan of a consistent config (raises PlacementError listing what is inconsistent)."""
+    problems = placement_problems(cfg)
+    if problems:
+        raise PlacementError("invalid placement:\n" + "\n".join(f"  - {p}" for p in problems))
+    pl = cfg.trainer.placement
+    n_eng, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
+    n_pol = int(pl.policy_num_workers)
+    ce, cw = float(pl.cpus_per_engine), float(pl.cpus_per_policy_worker)
+    gpu = pl.gpus_per_engine > 0
+    bundles: list[dict[str, float]] = []
+    engines: list[ActorPlacement] = []
+    policy: list[ActorPlacement] = []
+    if gpu and pl.colocate:
+        for e in range(n_eng):
+            ranks = tuple(range(e * tp, (e + 1) * tp))
+            bundles.append({"CPU": ce + tp * cw, "GPU": float(tp)})
+            engines.append(ActorPlacement("engine", e, e, ce, 0.0, shares_gpus_with=ranks))
+            policy += [ActorPlacement("policy", r, e, cw, 1.0) for r in ranks]
+    else:
+        ge = float(tp) if gpu else 0.0
+        gw = 1.0 if gpu else 0.0
+        for e in range(n_eng):
+            bundles.append(_bundle(ce, ge))
+            engines.append(ActorPlacement("engine", e, e, ce, ge))
+        for r in range(n_pol):
+            bundles.append(_bundle(cw, gw))
+            policy.append(ActorPlacement("policy", r, n_eng + r, cw, gw))
+    required = {"CPU": sum(b.get("CPU", 0.0) for b in bundles), "GPU": sum(b.get("GPU", 0.0) for b in bundles)}
+    return PlacementPlan("gpu" if gpu else "cpu", bool(gpu and pl.colocate), tuple(bundles), "PACK",
+                         tuple(engines), tuple(policy), required)
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
+
+
+def _breakdown(cfg: Any, plan: PlacementPlan, resource: str) -> str:
+    pl = cfg.trainer.placement
+    n_eng, tp, n_pol = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size), int(pl.policy_num_workers)
+    if resource == "GPU":
+        if plan.colocate:
+            return (f"{n_pol} for {n_pol} policy workers (tp*pp*cp*dp); the {n_eng} engines x TP {tp} share them")
+        return f"{n_eng * tp} for {n_eng} engine(s) x TP {tp} + {n_pol} for {n_pol} policy worker(s)"
+    return (f"{_fmt(n_eng * float(pl.cpus_per_engine))} for {n_eng} engine(s) x {_fmt(pl.cpus_per_engine)} + "
+            f"{_fmt(n_pol * float(pl.cpus_per_policy_worker))} for {n_pol} policy worker(s) x "
+            f"{_fmt(pl.cpus_per_policy_worker)}")
+
+
+def plan_placement(cfg: Any, cluster_resources: Mapping[str, float],
+                   node_resources: Sequence[Mapping[str, float]] | None = None) -> PlacementPlan:
+    """The bundle plan for `cfg` on a cluster, or PlacementError saying what is requested vs available.
+
+    cfg: the run config (DictConfig or SkyRLConfig). cluster_resources: `ray.cluster_resources()`.
+    node_resources: optionally the per-node totals (`[n["Resources"] for n in ray.nodes() if n["Alive"]]`);
+    given, every bundle must also fit on one node (an engine's TP GPUs cannot span nodes).
+    """
+    plan = build_plan(cfg)
+    short = []
+    for resource in ("GPU", "CPU"):
+        need = plan.required.get(resource, 0.0)
+        have = float(cluster_resources.get(resource, 0.0))
+        if need > have + 1e-9:
+            short.append(f"needs {_fmt(need)} {resource}s ({_breakdown(cfg, plan, resource)}) but the cluster has "
+                         f"{_fmt(have)}")
+    if short:
+        raise PlacementError("cluster too small: " + "; ".join(short))
+    if node_resources is not None:
+        _check_nodes(plan, [dict(n) for n in node_resources])
+    return plan
+
+
+def _fits(bundle: Mapping[str, float], free: Mapping[str, float]) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items() if v > 0)
+
+
+def _check_nodes(plan: PlacementPlan, nodes: list[dict[str, float]]) -> None:
+    if not nodes:
+        raise PlacementError("the cluster reports no alive nodes")
+    owners = {a.bundle_index: a for a in plan.engines}
+    for i, bundle in enumerate(plan.bundles):
+        if not any(_fits(bundle, n) for n in nodes):
+            largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
+            who = (f"engine {owners[i].index} (tensor_parallel_size={_fmt(bundle.get('GPU', 0))}"
+                   f"{' with its colocated policy ranks' if plan.colocate else ''})" if i in owners
+                   else f"policy rank {next(a.index for a in plan.policy if a.bundle_index == i)}")
+            raise PlacementError(
+                f"cluster too small: {who} needs {_fmt(bundle.get('GPU', 0))} GPUs and {_fmt(bundle.get('CPU', 0))} "
+                f"CPUs on one node, but the largest node has {_fmt(largest.get('GPU', 0))} GPUs and "
+                f"{_fmt(largest.get('CPU', 0))} CPUs")
+    # First-fit decreasing: the bundles all fit somewhere individually; do they fit together?
+    free = [dict(n) for n in nodes]
+    order = sorted(range(len(plan.bundles)), key=lambda i: (-plan.bundles[i].get("GPU", 0.0),
+                                                             -plan.bundles[i].get("CPU", 0.0)))
+    for i in order:
+        bundle = plan.bundles[i]
+        node = next((n for n in free if _fits(bundle, n)), None)
+        if node is None:
+            raise PlacementError(
+                f"cluster too small: the {len(plan.bundles)} bundles {list(plan.bundles)} do not pack onto the nodes "
+                f"{[{k: n.get(k, 0.0) for k in ('GPU', 'CPU')} for n in nodes]} (an engine's GPUs must share a node)")
+        for k, v in bundle.items():
+            node[k] = node.get(k, 0.0) - v
+
+
+def actor_options(placement_group: Any, actor: ActorPlacement) -> dict[str, Any]:
+    """`.options(**...)` for an actor of the plan inside the placement group created from `plan.bundles`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"num_cpus": actor.num_cpus, "num_gpus": actor.num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=actor.bundle_index)}
+
+
+def plan_for_running_cluster(cfg: Any) -> PlacementPlan:
+    """`plan_placement` against the Ray session this process is connected to (call after ray.init)."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    return plan_placement(cfg, ray.cluster_resources(), nodes)

@@ -1,0 +1,299 @@
+"""Tiny MiMo-architecture HF checkpoints built locally, deterministically from a seed.
+
+Everything the tests and the embedded default need comes from here: config.json (Qwen2 trunk with
+`num_nextn_predict_layers` MTP layers, `MiMoForCausalLM`), generation_config.json, safetensors weights,
+and a byte-level BPE tokenizer trained on the project's own synthetic text, with a chat template.
+
+Heads:
+- "random": a freshly initialised trunk and MTP head (the default; the head starts untrained).
+- "oracle": a *bigram* target (trunk blocks contribute nothing, so the next token depends only on the
+  current one through the untied lm_head) with an MTP head that reproduces exactly that rule for the
+  next-next token: its draft always equals the target's greedy choice (acceptance ~1).
+- "partial": the same bigram target with a head whose token path is perturbed so that its argmax
+  agrees with the target on about `partial_agreement` of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HEADS = ("random", "oracle", "partial")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOOL_TOKENS = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
+               "<think>", "</think>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM CPU attention
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+    mtp_layers: int = 1
+    seed: int = 0
+    head: str = "random"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bigram_sharpness: float = 0.6
+    partial_agreement: float = 0.5
+
+    def __post_init__(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"TinyModelSpec.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "an integer >= 1")
+        if self.vocab < 300:
+            bad("vocab", "an integer >= 300 (256 byte symbols + special tokens + merges)")
+        if self.mtp_layers < 0:
+            bad("mtp_layers", "an integer >= 0")
+        if self.hidden % self.heads:
+            bad("heads", f"a divisor of hidden={self.hidden}")
+        if self.heads % self.kv_heads:
+            bad("kv_heads", f"a divisor of heads={self.heads}")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            bad("heads", f"a count giving head_dim=hidden/heads in {SUPPORTED_HEAD_DIMS} (vLLM CPU attention)")
+        if self.head not in HEADS:
+            bad("head", HEADS)
+        if self.head != "random" and (self.mtp_layers < 1 or self.tie_word_embeddings):
+            bad("head", "'random' unless mtp_layers >= 1 and tie_word_embeddings is false "
+                        "(oracle/partial heads need an untied bigram lm_head)")
+        if not 0.0 < self.partial_agreement < 1.0:
+            bad("partial_agreement", "a float in (0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+def tokenizer_training_text(seed: int) -> list[str]:
+    """Synthetic text covering the tiny tasks: chat turns, arithmetic, and search-style knowledge."""
+    import random
+
+    from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, generate_rows, sft_response
+
+    rng = random.Random(seed)
+    lines: list[str] = []
+    rows = generate_rows(ArithmeticTaskConfig(digits=2, num_train=400, num_test=0, seed=seed))["train"]
+    for row in rows:
+        lines.append(f"<|im_start|>user\n{row['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+                     f"{sft_response(row)}<|im_end|>\n")
+    from skyrl_mtp.data.search_task import SearchTaskSpec, build_search_task
+
+    task = build_search_task(SearchTaskSpec(num_entities=64, seed=seed))
+    lines.extend(d["contents"] for d in task.corpus)
+    lines.extend(r["prompt"][0]["content"] + r["response"] for r in task.warmstart[:200])
+    words = ("the of is what who which answer search information question final put in number sum "
+             "difference result think step first then so").split()
+    lines.extend(" ".join(rng.choice(words) for _ in range(12)) for _ in range(200))
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TOOL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_training_text(seed), trainer=trainer)
+    tok.add_tokens(list(TOOL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        bos_token=None, additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _block(prefix: str, spec: TinyModelSpec, init, zero_out: bool) -> dict[str, torch.Tensor]:
+    h, d, i = spec.hidden, spec.head_dim, spec.intermediate
+    q, kv = spec.heads * d, spec.kv_heads * d
+    return {
+        prefix + "self_attn.q_proj.weight": init(q, h), prefix + "self_attn.q_proj.bias": torch.zeros(q),
+        prefix + "self_attn.k_proj.weight": init(kv, h), prefix + "self_attn.k_proj.bias": torch.zeros(kv),
+        prefix + "self_attn.v_proj.weight": init(kv, h), prefix + "self_attn.v_proj.bias": torch.zeros(kv),
+        prefix + "self_attn.o_proj.weight": torch.zeros(h, q) if zero_out else init(h, q),
+        prefix + "mlp.gate_proj.weight": init(i, h), prefix + "mlp.up_proj.weight": init(i, h),
+        prefix + "mlp.down_proj.weight": torch.zeros(h, i) if zero_out else init(h, i),
+        prefix + "input_layernorm.weight": torch.ones(h),
+        prefix + "post_attention_layernorm.weight": torch.ones(h),
+    }
+
+
+def head_target_agreement(embed: torch.Tensor, lm_head: torch.Tensor, token_proj: torch.Tensor) -> float:
+    """Share of tokens x where the bigram head's argmax equals the target's (both see only x's embedding)."""
+    target = (_rms(embed) @ lm_head.T).argmax(-1)
+    head = (_rms(_rms(embed) @ token_proj.T) @ lm_head.T).argmax(-1)
+    return (target == head).float().mean().item()
+
+
+def build_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed)
+    h, v = spec.hidden, spec.vocab
+
+    def init(*shape, std=0.02):
+        return torch.randn(*shape, generator=g) * std
+
+    bigram = spec.head != "random"
+    embed = init(v, h, std=1.0 if bigram else 0.02)
+    sd = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(h)}
+    for layer in range(spec.layers):
+        sd.update(_block(f"model.layers.{layer}.", spec, init, zero_out=bigram))
+    if bigram:
+        # lm_head row perm[j] points at token j's embedding: the target's next token after j is perm[j].
+        perm = torch.randperm(v, generator=g)
+        lm_head = torch.empty(v, h)
+        lm_head[perm] = spec.bigram_sharpness * embed / embed.norm(dim=-1, keepdim=True)
+        sd["lm_head.weight"] = lm_head
+    elif not spec.tie_word_embeddings:
+        sd["lm_head.weight"] = init(v, h)
+
+    token_proj = torch.eye(h)
+    if spec.head == "partial":
+        noise = torch.randn(h, h, generator=g) / h**0.5
+        lo, hi = 0.0, 16.0
+        for _ in range(30):  # bisect the noise scale to the requested agreement
+            mid = (lo + hi) / 2
+            if head_target_agreement(embed, sd["lm_head.weight"], torch.eye(h) + mid * noise) > spec.partial_agreement:
+                lo = mid
+            else:
+                hi = mid
+        token_proj = torch.eye(h) + (lo + hi) / 2 * noise
+    for j in range(spec.mtp_layers):
+        p = f"model.mtp_layers.{j}."
+        sd.update(_block(p, spec, init, zero_out=bigram))
+        sd[p + "token_layernorm.weight"] = torch.ones(h)
+        sd[p + "hidden_layernorm.weight"] = torch.ones(h)
+        sd[p + "final_layernorm.weight"] = torch.ones(h)
+        # vLLM's MiMo drafter: input_proj(cat([hidden_layernorm(prev_hidden), token_layernorm(embed)]))
+        sd[p + "input_proj.weight"] = (torch.cat([torch.zeros(h, h), token_proj], dim=1) if bigram
+                                       else init(h, 2 * h))
+    return {k: t.contiguous() for k, t in sd.items()}
+
+
+def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
+    return {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "max_window_layers": spec.layers,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "num_nextn_predict_layers": spec.mtp_layers,
+        "torch_dtype": "float32",
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "skyrl_mtp_tiny_spec": asdict(spec),
+    }
+
+
+def build_tiny_checkpoint(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write the checkpoint into `out` (created); same spec -> same bytes. Returns `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab, spec.seed)
+    if len(tokenizer) > spec.vocab:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab={spec.vocab}")
+    tokenizer.save_pretrained(out)
+    cfg = hf_config(spec, tokenizer)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    gen = {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"],
+           "bos_token_id": cfg["bos_token_id"], "do_sample": True, "temperature": 1.0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
+    save_file(build_weights(spec), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def cached_tiny_checkpoint(cache_root: str | Path, spec: TinyModelSpec) -> Path:
+    """Build once per spec under cache_root/<hash>; a COMPLETE marker makes half-written dirs rebuild."""
+    import hashlib
+    import shutil
+
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
+    final = Path(cache_root) / f"tiny-{key}"
+    if (final / "COMPLETE").exists():
+        return final
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_checkpoint(tmp, spec)
+    (tmp / "COMPLETE").write_text("ok\n")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    d = TinyModelSpec()
+    ap.add_argument("--mtp-layers", type=int, default=d.mtp_layers)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--hidden", type=int, default=d.hidden)
+    ap.add_argument("--layers", type=int, default=d.layers)
+    ap.add_argument("--heads", type=int, default=d.heads)
+    ap.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    ap.add_argument("--intermediate", type=int, default=None, help="default: 2 * hidden")
+    ap.add_argument("--vocab", type=int, default=d.vocab)
+    ap.add_argument("--head", choices=HEADS, default=d.head)
+    ap.add_argument("--tie-word-embeddings", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        spec = TinyModelSpec(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                             intermediate=a.intermediate or 2 * a.hidden, vocab=a.vocab,
+                             mtp_layers=a.mtp_layers, seed=a.seed, head=a.head,
+                             tie_word_embeddings=a.tie_word_embeddings)
+    except ValueError as e:
+        ap.error(str(e))
+    print(build_tiny_checkpoint(a.out, spec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Detached replay of the MTP head and its draft loss against the policy's own distribution.
+
+The replay feeds each MTP layer exactly what vLLM's MiMo drafter is fed: the trunk hidden state
+before the final norm, the embedding of the next token (zeroed where the position is 0), and for
+depth d > 1 the previous depth's (final-normed) output. Trunk hidden, re-embedding and the output
+projection weight are detached, so the gradient of the draft loss reaches MTP parameters only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .capture import CapturedMTPInputs
+
+
+@dataclass
+class DraftLossSpec:
+    loss_type: str = "soft_ce"
+    num_depths: int = 1
+    topk: int = 32
+    chunk_size: int = 0
+
+
+@dataclass
+class DraftResult:
+    loss_sum: torch.Tensor  # differentiable, summed over valid positions and depths
+    num_tokens: torch.Tensor  # valid positions, summed over depths
+    per_depth: list[tuple[float, float, float]]  # (loss_sum, num_tokens, top1_agree) per depth
+
+
+def _tp_info():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 0, 1
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def output_weight(model) -> torch.Tensor:
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def _shift_ids(input_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    out = torch.zeros_like(input_ids)
+    if shift < input_ids.shape[1]:
+        out[:, : input_ids.shape[1] - shift] = input_ids[:, shift:]
+    return out
+
+
+def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      num_depths: int) -> list[torch.Tensor]:
+    """Final-normed MTP outputs [S, B, H] for depths 1..num_depths (gradient reaches MTP params only)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    layers = model.mtp.layers
+    kw = captured.mtp_kwargs
+    hidden = captured.prenorm_hidden.detach()
+    outs = []
+    for d in range(1, num_depths + 1):
+        layer = layers[min(d - 1, len(layers) - 1)]
+        with torch.no_grad():
+            ids = _shift_ids(input_ids, d)
+            emb = model.embedding(input_ids=ids, position_ids=position_ids).detach()  # [S, B, H]
+            if d == 1:
+                emb = torch.where((position_ids == 0).t().unsqueeze(-1), torch.zeros_like(emb), emb)
+        x = torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1)
+        x, _ = layer.eh_proj(x)
+        x = gather_from_tensor_model_parallel_region(x)
+        x, _ = layer.transformer_layer(hidden_states=x, attention_mask=kw.get("attention_mask"),
+                                       rotary_pos_emb=kw.get("rotary_pos_emb"))
+        x = layer.final_layernorm(x)
+        outs.append(x)
+        hidden = x
+    return outs
+
+
+def draft_logits(model, mtp_hidden: torch.Tensor) -> torch.Tensor:
+    """Local-vocab-shard logits [B, S, V_local] through the detached output weight."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    h = copy_to_tensor_model_parallel_region(mtp_hidden)
+    return F.linear(h, output_weight(model).detach()).transpose(0, 1)
+
+
+def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.Tensor, batch: dict,
+                       spec: DraftLossSpec, vocab_size: int) -> DraftResult:
+    """Draft loss of depths 1..num_depths; ``policy_logits`` [B, S, V_local] is the teacher (detached here).
+
+    Only the positions the mask keeps are projected to the vocabulary: the head's hidden states, the
+    teacher rows (the policy's logits at t + d, read in place, never shifted or copied whole) and the
+    sampled targets are gathered first, so prompt, padding and tool-output positions cost nothing
+    beyond the replayed block itself.
+    """
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from .draft_losses import chunked_draft_loss, draft_loss
+    from .masks import draft_position_mask
+
+    tp_group, tp_rank, tp_size = _tp_info()
+    v_local = policy_logits.shape[-1]
+    kwargs = dict(loss_type=spec.loss_type, topk=spec.topk, tp_group=tp_group if tp_size > 1 else None,
+                  vocab_start_index=tp_rank * v_local, vocab_size=vocab_size)
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    segment_ids = batch.get("segment_ids")
+    hidden = replay_mtp_hidden(model, captured, input_ids, batch["position_ids"], spec.num_depths)
+    teacher_all = policy_logits.detach()
+    weight = output_weight(model).detach()
+    total, count, per_depth = None, None, []
+    for d, h in enumerate(hidden, start=1):
+        rows, cols = draft_position_mask(loss_mask, d, segment_ids).nonzero(as_tuple=True)
+        teacher = teacher_all[rows, cols + d]  # the policy's next-token logits at t + d: [n, V_local]
+        target = input_ids[rows, cols + 1 + d]  # the sampled token the head predicts
+        student_hidden = copy_to_tensor_model_parallel_region(h[cols, rows])  # h is [S, B, H]
+        valid = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+        if spec.chunk_size > 0:
+            out = chunked_draft_loss(student_hidden, weight, teacher, valid, chunk_size=spec.chunk_size,
+                                     target_ids=target, **kwargs)
+        else:
+            out = draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)
+        total = out.loss_sum if total is None else total + out.loss_sum
+        count = out.num_tokens if count is None else count + out.num_tokens
+        per_depth.append((float(out.loss_sum.detach()), float(out.num_tokens), float(out.top1_agree)))
+    return DraftResult(total, count, per_depth)

@@ -1,0 +1,140 @@
+"""Typed configuration of the inference engines, validated before any Ray actor or vLLM engine starts.
+
+Starting an engine costs 15-30 s on CPU; a typo found after that is expensive. `EngineConfig`
+checks its own fields on construction and `check_checkpoint` checks the model directory against
+what the config asks of it (MTP drafting needs MTP layers in the checkpoint) before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# vLLM engine arguments this project sets itself; `engine_kwargs` may not override them.
+MANAGED_ENGINE_KWARGS = (
+    "model",
+    "tokenizer",
+    "tensor_parallel_size",
+    "speculative_config",
+    "max_model_len",
+    "max_num_seqs",
+    "kv_cache_memory_bytes",
+    "enforce_eager",
+    "dtype",
+    "seed",
+    "worker_extension_cls",
+    "disable_log_stats",
+)
+
+
+def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"EngineConfig.{field_name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class EngineConfig:
+    """How many vLLM engines to run and how to build each one.
+
+    num_speculative_tokens: 0 = no speculative decoding; k >= 1 = MTP drafting of k tokens
+    ({"method": "mtp", "num_speculative_tokens": k}); the checkpoint must have MTP layers.
+    engine_kwargs: extra `vllm` engine arguments, merged into the managed ones (no overrides).
+    """
+
+    model_path: str
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    num_speculative_tokens: int = 0
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    kv_cache_memory_bytes: int = 256 * 2**20
+    enforce_eager: bool = True
+    dtype: str = "float32"
+    seed: int = 0
+    cpu_sampling_fix: bool = True
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, (str, Path)) or not str(self.model_path):
+            raise _bad("model_path", self.model_path, "a non-empty path to an HF checkpoint directory")
+        self.model_path = str(self.model_path)
+        for name, low in (("num_engines", 1), ("tensor_parallel_size", 1), ("max_model_len", 2),
+                          ("max_num_seqs", 1), ("kv_cache_memory_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise _bad(name, value, f"an int >= {low}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise _bad("num_speculative_tokens", k,
+                       "0 (no speculative decoding) or an int k >= 1 (MTP drafting of k tokens)")
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"one of {DTYPES}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _bad("seed", self.seed, "an int")
+        for name in ("enforce_eager", "cpu_sampling_fix"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
+        if not isinstance(self.engine_kwargs, dict):
+            raise _bad("engine_kwargs", self.engine_kwargs, "a dict of extra vLLM engine arguments")
+        clashes = sorted(set(self.engine_kwargs) & set(MANAGED_ENGINE_KWARGS))
+        if clashes:
+            raise _bad("engine_kwargs", self.engine_kwargs,
+                       f"keys {clashes} are set by EngineConfig itself (managed keys: "
+                       f"{list(MANAGED_ENGINE_KWARGS)}); set the matching EngineConfig field instead")
+
+    @property
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.num_speculative_tokens == 0:
+            return None
+        return {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
+
+    def managed_engine_kwargs(self, worker_extension_cls: str) -> dict[str, Any]:
+        """The vLLM engine arguments this config sets (engine_kwargs come on top)."""
+        return {
+            "model": self.model_path,
+            "tokenizer": self.model_path,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "speculative_config": self.speculative_config,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "enforce_eager": self.enforce_eager,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "worker_extension_cls": worker_extension_cls,
+            "disable_log_stats": False,
+        }
+
+
+def read_hf_config(model_path: str | Path) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"EngineConfig.model_path={str(model_path)!r} is invalid: "
+                         f"no config.json there (expected an HF checkpoint directory)")
+    return json.loads(path.read_text())
+
+
+def check_checkpoint(cfg: EngineConfig) -> dict[str, Any]:
+    """Check that the checkpoint can serve `cfg`; returns its config.json. Reads files only."""
+    hf_config = read_hf_config(cfg.model_path)
+    if cfg.num_speculative_tokens > 0:
+        n_mtp = hf_config.get("num_nextn_predict_layers") or 0
+        if not isinstance(n_mtp, int) or n_mtp < 1:
+            raise ValueError(
+                f"EngineConfig.num_speculative_tokens={cfg.num_speculative_tokens} asks for MTP drafting, but the "
+                f"checkpoint {cfg.model_path!r} has num_nextn_predict_layers={hf_config.get('num_nextn_predict_layers')!r}"
+                f"; allowed: a checkpoint with num_nextn_predict_layers >= 1, or num_speculative_tokens=0")
+    if not any(Path(cfg.model_path).glob("*.safetensors")):
+        raise ValueError(f"EngineConfig.model_path={cfg.model_path!r} is invalid: no *.safetensors weights there")
+    return hf_config
+
+
+def check_engine_kwargs_known(engine_kwargs: dict[str, Any], known: set[str]) -> None:
+    """Reject engine_kwargs that are not vLLM engine arguments (`known`: the engine-args field names)."""
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise _bad("engine_kwargs", engine_kwargs,
+                   f"keys {unknown} are not vLLM engine arguments (see vllm.engine.arg_utils.AsyncEngineArgs)")

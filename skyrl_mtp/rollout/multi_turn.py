@@ -1,0 +1,180 @@
+"""Multi-turn search rollouts: the policy generates until </search> or </answer>, the retriever's answer is
+appended as tool tokens, and so on until an answer, max_turns or the length budget.
+
+Each turn is an ordinary call to the same EngineClient (speculative decoding included, so acceptance metrics
+count every turn). Tool-output tokens get loss_mask 0 so neither the policy loss nor the draft loss
+(which masks by loss_mask) trains on them. All trajectories of a batch run as concurrent coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skyrl_mtp.envs.retriever.client import RetrieverError
+from skyrl_mtp.envs.search_tool import STOP_STRINGS, information_block, parse_last_action, search_failure_text
+
+RETRIEVER_ERROR_POLICIES = ("score", "raise")
+FINISH_REASONS = ("answer", "max_turns", "length", "no_action")
+
+
+class SearchBackend(Protocol):
+    async def asearch(self, queries: list[str]) -> list[str]: ...
+
+
+@dataclass
+class SearchTrajectory:
+    prompt_index: int
+    prompt_len: int
+    token_ids: list[int]        # prompt + every policy turn + every tool output
+    loss_mask: list[int]        # 1 on policy tokens only
+    logprobs: list[float]       # logprob of token t at index t for policy tokens, 0.0 elsewhere
+    num_turns: int
+    num_searches: int
+    num_search_failures: int
+    finish_reason: str          # one of FINISH_REASONS
+    final_answer: str | None
+    queries: list[str] = field(default_factory=list)
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+@dataclass
+class MultiTurnBatch:
+    trajectories: list[SearchTrajectory]
+    metrics: dict[str, float]
+
+    def to_tensors(self, pad_token_id: int) -> dict[str, Any]:
+        """Right-padded [B, S] input_ids / attention_mask / loss_mask / logprobs (project conventions)."""
+        import torch
+
+        seq_len = max(len(t.token_ids) for t in self.trajectories)
+        b = len(self.trajectories)
+        out = {"input_ids": torch.full((b, seq_len), pad_token_id, dtype=torch.long),
+               "attention_mask": torch.zeros(b, seq_len, dtype=torch.long),
+               "loss_mask": torch.zeros(b, seq_len, dtype=torch.long),
+               "logprobs": torch.zeros(b, seq_len, dtype=torch.float32)}
+        for i, t in enumerate(self.trajectories):
+            n = len(t.token_ids)
+            out["input_ids"][i, :n] = torch.tensor(t.token_ids)
+            out["attention_mask"][i, :n] = 1
+            out["loss_mask"][i, :n] = torch.tensor(t.loss_mask)
+            out["logprobs"][i, :n] = torch.tensor(t.logprobs)
+        return out
+
+
+def summarize(trajectories: list[SearchTrajectory]) -> dict[str, float]:
+    n = max(len(trajectories), 1)
+    finishes = Counter(t.finish_reason for t in trajectories)
+    policy = sum(sum(t.loss_mask) for t in trajectories)
+    tool = sum(len(t.token_ids) - t.prompt_len - sum(t.loss_mask) for t in trajectories)
+    metrics = {
+        "multi_turn/num_turns_mean": sum(t.num_turns for t in trajectories) / n,
+        "multi_turn/num_searches_mean": sum(t.num_searches for t in trajectories) / n,
+        "multi_turn/search_failures": float(sum(t.num_search_failures for t in trajectories)),
+        "multi_turn/policy_tokens_mean": policy / n,
+        "multi_turn/tool_tokens_mean": tool / n,
+    }
+    metrics.update({f"multi_turn/finish_{r}_frac": finishes.get(r, 0) / n for r in FINISH_REASONS})
+    return metrics
+
+
+class MultiTurnSearchGenerator:
+    """`await generate(prompts, n_samples)` -> MultiTurnBatch; `sampling` is a SamplingSpec-like dataclass."""
+
+    def __init__(self, client, tokenizer, retriever: SearchBackend, max_turns: int, sampling, *,
+                 max_total_len: int = 1024, on_retriever_error: str = "score"):
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an int >= 1")
+        if not isinstance(max_total_len, int) or max_total_len < 2:
+            raise ValueError(f"max_total_len={max_total_len!r} must be an int >= 2")
+        if on_retriever_error not in RETRIEVER_ERROR_POLICIES:
+            raise ValueError(f"on_retriever_error={on_retriever_error!r}; allowed: {RETRIEVER_ERROR_POLICIES}")
+        if not dataclasses.is_dataclass(sampling) or not all(hasattr(sampling, f) for f in ("stop", "max_tokens", "seed", "n")):
+            raise TypeError(f"sampling must be a SamplingSpec dataclass (fields stop, max_tokens, seed, n), got {sampling!r}")
+        if sampling.n != 1:
+            raise ValueError(f"sampling.n={sampling.n}: multi-turn rollouts sample one continuation per trajectory; "
+                             "pass n_samples to generate() instead")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens={sampling.max_tokens} must be >= 1 (the per-turn budget)")
+        self.client, self.tokenizer, self.retriever = client, tokenizer, retriever
+        self.max_turns, self.sampling = max_turns, sampling
+        self.max_total_len, self.on_retriever_error = max_total_len, on_retriever_error
+        self._stops = list(dict.fromkeys([*STOP_STRINGS, *(sampling.stop or [])]))
+
+    async def generate(self, prompts: list[list[int]], n_samples: int = 1) -> MultiTurnBatch:
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        if not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"n_samples={n_samples!r} must be an int >= 1")
+        too_long = [i for i, p in enumerate(prompts) if len(p) >= self.max_total_len]
+        if too_long:
+            raise ValueError(f"prompts {too_long[:5]} have >= max_total_len={self.max_total_len} tokens")
+        jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(n_samples)]
+        trajs = await asyncio.gather(*(self._rollout(j, i, p) for j, (i, p) in enumerate(jobs)))
+        return MultiTurnBatch(list(trajs), summarize(list(trajs)))
+
+    def generate_sync(self, prompts: list[list[int]], n_samples: int = 1) -> MultiTurnBatch:
+        return asyncio.run(self.generate(prompts, n_samples))
+
+    def _turn_sampling(self, job: int, turn: int, budget: int):
+        seed = None if self.sampling.seed is None else self.sampling.seed + 7919 * job + turn
+        return dataclasses.replace(self.sampling, stop=self._stops, n=1, seed=seed,
+                                   max_tokens=min(self.sampling.max_tokens, budget))
+
+    async def _search(self, query: str) -> tuple[str, bool]:
+        """(documents text, failed)."""
+        if not query:
+            return search_failure_text("the query was empty"), True
+        try:
+            return (await self.retriever.asearch([query]))[0], False
+        except RetrieverError as e:
+            if self.on_retriever_error == "raise":
+                raise
+            return search_failure_text(str(e)), True
+
+    async def _rollout(self, job: int, prompt_index: int, prompt: list[int]) -> SearchTrajectory:
+        ids, mask, lps = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
+        turns = searches = failures = 0
+        queries: list[str] = []
+        answer, finish = None, None
+        while finish is None:
+            budget = self.max_total_len - len(ids)
+            if budget <= 0:
+                finish = "length"
+                break
+            out = (await self.client.generate([ids], self._turn_sampling(job, turns, budget)))[0]
+            toks, lp = list(out.token_ids), list(out.logprobs)
+            if len(lp) < len(toks):
+                raise RuntimeError(f"engine returned {len(toks)} tokens but only {len(lp)} logprobs; "
+                                   "multi-turn rollouts need the sampled tokens' logprobs")
+            turns += 1
+            ids += toks
+            mask += [1] * len(toks)
+            lps += [float(x) for x in lp[: len(toks)]]
+            action = parse_last_action(self.tokenizer.decode(toks, skip_special_tokens=False))
+            if action is None:
+                finish = "length" if out.finish_reason == "length" or len(ids) >= self.max_total_len else "no_action"
+            elif action.kind == "answer":
+                finish, answer = "answer", action.content
+            elif turns >= self.max_turns:
+                finish = "max_turns"
+            else:
+                searches += 1
+                queries.append(action.content)
+                docs, failed = await self._search(action.content)
+                failures += failed
+                info = self.tokenizer.encode(information_block(docs), add_special_tokens=False)
+                if len(ids) + len(info) >= self.max_total_len:
+                    finish = "length"   # no room left for another policy turn after the tool output
+                else:
+                    ids += info
+                    mask += [0] * len(info)
+                    lps += [0.0] * len(info)
+        return SearchTrajectory(prompt_index, len(prompt), ids, mask, lps, turns, searches, failures,
+                                finish, answer, queries)

@@ -1,0 +1,189 @@
+"""Draft-acceptance and throughput metrics over explicit windows (train generation, eval generation).
+
+vLLM exposes cumulative Prometheus counters per engine process. A window takes snapshots of
+those counters (summed over engines) when it opens, pauses, resumes and closes, and reports the
+deltas accumulated while it was open and not paused, so train and eval rollouts never mix and
+time spent outside generation (rewards, weight sync) does not dilute throughput.
+
+The logic here is pure: `SpecMetricsWindow` takes a snapshot callable and a clock, so it is tested
+with fake counters; `counters_from_vllm_metrics` turns vLLM's metric objects into `SpecCounters`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+VLLM_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+VLLM_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+VLLM_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
+
+
+def _pad_add(a: tuple[float, ...], b: tuple[float, ...], sign: float) -> tuple[float, ...]:
+    n = max(len(a), len(b))
+    a = a + (0.0,) * (n - len(a))
+    b = b + (0.0,) * (n - len(b))
+    return tuple(x + sign * y for x, y in zip(a, b))
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """Cumulative counters of one engine, or a sum/difference of several snapshots."""
+
+    num_drafts: float = 0.0
+    num_draft_tokens: float = 0.0
+    num_accepted_tokens: float = 0.0
+    accepted_per_pos: tuple[float, ...] = ()
+    generated_tokens: float = 0.0
+
+    def _combine(self, other: SpecCounters, sign: float) -> SpecCounters:
+        return SpecCounters(
+            num_drafts=self.num_drafts + sign * other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + sign * other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            accepted_per_pos=_pad_add(self.accepted_per_pos, other.accepted_per_pos, sign),
+            generated_tokens=self.generated_tokens + sign * other.generated_tokens,
+        )
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, 1.0)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, -1.0)
+
+
+def sum_counters(parts: Iterable[SpecCounters]) -> SpecCounters:
+    total = SpecCounters()
+    for p in parts:
+        total = total + p
+    return total
+
+
+def counters_from_vllm_metrics(metrics: Iterable[Any]) -> SpecCounters:
+    """Sum vLLM metric objects (`vllm.v1.metrics.reader` Counter/Vector: .name, .value / .values)
+    into `SpecCounters`; label sets of the same name (e.g. several engine indices) are added."""
+    scalars = {VLLM_NUM_DRAFTS: 0.0, VLLM_NUM_DRAFT_TOKENS: 0.0, VLLM_NUM_ACCEPTED_TOKENS: 0.0,
+               VLLM_GENERATION_TOKENS: 0.0}
+    per_pos: tuple[float, ...] = ()
+    for m in metrics:
+        name = getattr(m, "name", None)
+        if name in scalars:
+            scalars[name] += float(m.value)
+        elif name == VLLM_ACCEPTED_PER_POS:
+            per_pos = _pad_add(per_pos, tuple(float(v) for v in m.values), 1.0)
+    return SpecCounters(
+        num_drafts=scalars[VLLM_NUM_DRAFTS],
+        num_draft_tokens=scalars[VLLM_NUM_DRAFT_TOKENS],
+        num_accepted_tokens=scalars[VLLM_NUM_ACCEPTED_TOKENS],
+        accepted_per_pos=per_pos,
+        generated_tokens=scalars[VLLM_GENERATION_TOKENS],
+    )
+
+
+def summarize_window(delta: SpecCounters, label: str, num_speculative_tokens: int,
+                     active_seconds: float) -> dict[str, float]:
+    """Metrics of one window from its counter deltas (pure).
+
+    acceptance rate = accepted / draft tokens; per-position rate i = accepted at position i / drafts;
+    mean acceptance length = 1 + accepted / drafts (tokens emitted per target step); with no drafts
+    the rates are 0 and the mean acceptance length is 1.
+    """
+    p = f"rollout/{label}/"
+    drafts = delta.num_drafts
+    out = {
+        p + "draft_acceptance_rate": delta.num_accepted_tokens / delta.num_draft_tokens
+        if delta.num_draft_tokens > 0 else 0.0,
+        p + "mean_acceptance_length": 1.0 + delta.num_accepted_tokens / drafts if drafts > 0 else 1.0,
+        p + "num_drafts": float(drafts),
+        p + "num_draft_tokens": float(delta.num_draft_tokens),
+        p + "num_accepted_tokens": float(delta.num_accepted_tokens),
+        p + "generated_tokens": float(delta.generated_tokens),
+        p + "tokens_per_s": delta.generated_tokens / active_seconds if active_seconds > 0 else 0.0,
+        p + "active_seconds": float(active_seconds),
+    }
+    for i in range(1, num_speculative_tokens + 1):
+        accepted_i = delta.accepted_per_pos[i - 1] if i <= len(delta.accepted_per_pos) else 0.0
+        out[p + f"draft_acceptance_rate_pos_{i}"] = accepted_i / drafts if drafts > 0 else 0.0
+    return out
+
+
+class SpecMetricsWindow:
+    """start(label) -> [pause() / resume()]* -> stop() -> metrics under `rollout/{label}/`.
+
+    Counters and time accumulate only while the window is open and not paused. One window at a
+    time: starting a window while another is open is an error, so train and eval never mix.
+    """
+
+    def __init__(self, snapshot: Callable[[], SpecCounters], num_speculative_tokens: int,
+                 clock: Callable[[], float] = time.monotonic):
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} is invalid: an int >= 0")
+        self._snapshot = snapshot
+        self._k = num_speculative_tokens
+        self._clock = clock
+        self._label: str | None = None
+        self._paused = False
+        self._acc = SpecCounters()
+        self._seconds = 0.0
+        self._seg_counters: SpecCounters | None = None
+        self._seg_start = 0.0
+
+    @property
+    def label(self) -> str | None:
+        """The open window's label, or None."""
+        return self._label
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def start(self, label: str) -> None:
+        if not isinstance(label, str) or not label or "/" in label:
+            raise ValueError(f"label={label!r} is invalid: a non-empty string without '/' (e.g. 'train', 'eval')")
+        if self._label is not None:
+            raise RuntimeError(f"cannot start metrics window {label!r}: window {self._label!r} is still open; "
+                               "stop() it first (train and eval windows never mix)")
+        self._label, self._paused = label, False
+        self._acc, self._seconds = SpecCounters(), 0.0
+        self._open_segment()
+
+    def pause(self) -> None:
+        self._require_open("pause")
+        if self._paused:
+            raise RuntimeError(f"metrics window {self._label!r} is already paused")
+        self._close_segment()
+        self._paused = True
+
+    def resume(self) -> None:
+        self._require_open("resume")
+        if not self._paused:
+            raise RuntimeError(f"metrics window {self._label!r} is not paused")
+        self._paused = False
+        self._open_segment()
+
+    def stop(self) -> dict[str, float]:
+        self._require_open("stop")
+        if not self._paused:
+            self._close_segment()
+        label, delta, seconds = self._label, self._acc, self._seconds
+        self._label, self._paused = None, False
+        return summarize_window(delta, label, self._k, seconds)
+
+    def _require_open(self, action: str) -> None:
+        if self._label is None:
+            raise RuntimeError(f"cannot {action}() the metrics window: no window is open; call start(label) first")
+
+    def _open_segment(self) -> None:
+        self._seg_counters = self._snapshot()
+        self._seg_start = self._clock()
+
+    def _close_segment(self) -> None:
+        now_counters, now = self._snapshot(), self._clock()
+        self._acc = self._acc + (now_counters - self._seg_counters)
+        self._seconds += now - self._seg_start
+        self._seg_counters = None

@@ -1,0 +1,50 @@
+"""PNG plots of a run's metrics.jsonl (reward, per-position acceptance, acceptance length, losses)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from skyrl_mtp.tracking.tracker import read_metrics  # noqa: E402
+
+PLOTS = {
+    "reward.png": re.compile(r"^reward/mean$"),
+    "acceptance_per_position.png": re.compile(r"acceptance.*pos"),
+    "mean_acceptance_length.png": re.compile(r"acceptance_length"),
+    "losses.png": re.compile(r"loss$"),
+}
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write each plot whose metrics exist; returns the written paths."""
+    rows = read_metrics(metrics_path)
+    keys = sorted({k for r in rows for k in r if k != "step"})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, pat in PLOTS.items():
+        sel = [k for k in keys if pat.search(k)]
+        if not sel:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k in sel:
+            xs, ys = _series(rows, k)
+            ax.plot(xs, ys, marker="o", label=k)
+        ax.set_xlabel("step")
+        ax.set_title(name.removesuffix(".png").replace("_", " "))
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        written.append(out / name)
+    return written

@@ -1,0 +1,33 @@
+"""Final run summary: first / last / best value of key metrics from metrics.jsonl as a text table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from skyrl_mtp.tracking.tracker import read_metrics
+
+DEFAULT_KEYS = ("reward/mean", "policy/loss", "mtp/loss")
+
+
+def summarize(metrics_path: str | Path, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """{key: {first, last, best, best_step}}; best = max for reward/acceptance keys, min otherwise."""
+    rows = read_metrics(metrics_path)
+    if keys is None:
+        keys = tuple(sorted({k for r in rows for k in r if k != "step" and ("acceptance" in k or k in DEFAULT_KEYS)}))
+    out = {}
+    for k in keys:
+        pts = [(r["step"], float(r[k])) for r in rows if isinstance(r.get(k), (int, float))]
+        if not pts:
+            continue
+        higher = "reward" in k or "acceptance" in k or "agree" in k
+        best = (max if higher else min)(pts, key=lambda p: p[1])
+        out[k] = {"first": pts[0][1], "last": pts[-1][1], "best": best[1], "best_step": float(best[0])}
+    return out
+
+
+def format_summary(summary: dict[str, dict[str, float]]) -> str:
+    w = max([len(k) for k in summary] + [6])
+    lines = [f"{'metric':<{w}}  {'first':>10}  {'last':>10}  {'best':>10}  {'step':>5}"]
+    for k, s in summary.items():
+        lines.append(f"{k:<{w}}  {s['first']:>10.4g}  {s['last']:>10.4g}  {s['best']:>10.4g}  {int(s['best_step']):>5}")
+    return "\n".join(lines)

@@ -1,0 +1,363 @@
+"""`run(cfg)`: everything between a validated config and a finished run.
+
+Resolves the model (a user checkpoint, or the tiny embedded one built once and cached), the data
+(user files, or the synthetic task generated locally), checks both before any actor starts, runs
+the cached warm start when asked, starts Ray, the vLLM engines and the Megatron policy workers,
+builds the environment, resumes from the run directory when possible, trains, then writes plots
+and prints the summary. Returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from skyrl_mtp.config.errors import ConfigError, problem
+from skyrl_mtp.runtime_env import configure_offline_caches
+
+
+def log(msg: str) -> None:
+    print(f"[skyrl-mtp] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SKYRL_MTP_CACHE", ".cache")).resolve()
+
+
+# ---------------------------------------------------------------------------------------------- model / data
+
+def resolve_model(cfg: DictConfig, cache: Path) -> Path:
+    if cfg.model.path is not None:
+        return Path(cfg.model.path).resolve()
+    from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
+
+    t = cfg.model.tiny
+    spec = TinyModelSpec(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads,
+                         intermediate=t.intermediate, vocab=t.vocab, mtp_layers=t.mtp_layers, seed=t.seed)
+    root = Path(t.cache_dir) if t.cache_dir else cache / "models"
+    path = cached_tiny_checkpoint(root, spec)
+    log(f"tiny model: {path}")
+    return path
+
+
+def synthetic_data(cfg: DictConfig, cache: Path) -> dict[str, Path]:
+    d = cfg.data
+    params = {"task": d.synthetic, "num_train": d.synthetic_num_train, "num_val": d.synthetic_num_val,
+              "seed": cfg.trainer.seed, "digits": d.synthetic_digits}
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(d.synthetic_dir) if d.synthetic_dir else cache / "data" / f"{d.synthetic}-{key}"
+    if d.synthetic == "arithmetic":
+        from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, write_arithmetic_dataset
+
+        if not (out / "test.parquet").exists():
+            write_arithmetic_dataset(out, ArithmeticTaskConfig(digits=d.synthetic_digits, num_train=d.synthetic_num_train,
+                                                               num_test=d.synthetic_num_val, seed=cfg.trainer.seed))
+        return {"train": out / "train.parquet", "val": out / "test.parquet"}
+    from skyrl_mtp.data.search_task import SearchTaskSpec, write_search_task
+
+    if not (out / "stats.json").exists():
+        num_entities = max(1, d.synthetic_num_train // 4)
+        write_search_task(out, SearchTaskSpec(num_entities=min(num_entities, 5000), seed=cfg.trainer.seed,
+                                              topk=cfg.environment.search.topk))
+    return {"train": out / "train.parquet", "val": out / "test.parquet", "corpus": out / "corpus.jsonl",
+            "warmstart": out / "warmstart.parquet"}
+
+
+def load_examples(cfg: DictConfig, paths: list[Path], tokenizer: Any, what: str) -> list:
+    from skyrl_mtp.data.datasets import load_prompt_dataset
+    from skyrl_mtp.trainer.environments import encode_prompt
+
+    layout = "searchr1" if cfg.environment.name == "search" and cfg.data.synthetic != "search" else "dapo"
+    out, skipped, too_long = [], 0, 0
+    for i, p in enumerate(paths):
+        try:
+            ds = load_prompt_dataset(p, layout=layout, skip_malformed=cfg.data.skip_malformed)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError([problem(f"data.{what}_files[{i}]", str(p), f"could not be loaded: {err}")]) from None
+        skipped += ds.num_skipped
+        for ex in ds.examples:
+            if len(encode_prompt(tokenizer, ex.prompt)) > cfg.data.max_prompt_length:
+                too_long += 1
+            else:
+                out.append(ex)
+    if skipped or too_long:
+        log(f"{what} data: skipped {skipped} malformed rows and {too_long} prompts longer than "
+            f"data.max_prompt_length={cfg.data.max_prompt_length}")
+    if not out:
+        raise ConfigError([problem(f"data.{what}_files", [str(p) for p in paths], "no usable rows")])
+    return out
+
+
+def warm_start_examples(cfg: DictConfig, data: dict[str, Path], tokenizer: Any) -> list:
+    from skyrl_mtp.trainer.environments import encode_prompt
+    from skyrl_mtp.trainer.warm_start import SFTExample
+
+    eos = [tokenizer.eos_token_id]
+    out = []
+    if cfg.data.synthetic == "arithmetic":
+        from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, generate_rows, sft_examples
+
+        rows = generate_rows(ArithmeticTaskConfig(digits=cfg.data.synthetic_digits, num_train=cfg.data.synthetic_num_train,
+                                                  num_test=0, seed=cfg.trainer.seed))["train"]
+        for ex in sft_examples(rows):
+            resp = tokenizer.encode(ex["response"], add_special_tokens=False) + eos
+            out.append(SFTExample(encode_prompt(tokenizer, ex["prompt"]), resp))
+        return out
+    if cfg.data.synthetic == "search":
+        import datasets
+
+        for row in datasets.load_dataset("parquet", data_files=str(data["warmstart"]), split="train"):
+            resp, mask = [], []
+            for seg in row["segments"]:
+                ids = tokenizer.encode(seg["text"], add_special_tokens=False)
+                resp += ids
+                mask += [1 if seg["role"] == "policy" else 0] * len(ids)
+            out.append(SFTExample(encode_prompt(tokenizer, row["prompt"]), resp + eos, mask + [1]))
+        return out
+    raise ConfigError([problem("trainer.warm_start.enabled", True,
+                               "warm start is defined for the synthetic tasks only (data.synthetic=arithmetic|search)")])
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+def policy_worker_config(cfg: DictConfig, *, mtp_enabled: bool | None = None, policy_lr: float | None = None):
+    from skyrl_mtp.policy.config import PolicyWorkerConfig
+
+    m = cfg.megatron
+    po, ho = m.policy_optimizer, m.head_optimizer
+    enabled = bool(cfg.trainer.mtp.enabled) if mtp_enabled is None else mtp_enabled
+    return PolicyWorkerConfig(
+        tp=m.tp, pp=m.pp, dp=m.dp, mtp_enabled=enabled,
+        mtp_num_layers=(m.mtp_num_layers if enabled else 0),
+        mtp_loss_type=m.mtp_loss_type or cfg.trainer.mtp.loss_type,
+        mtp_loss_weight=float(m.mtp_loss_weight if m.mtp_loss_weight is not None else cfg.trainer.mtp.loss_weight),
+        mtp_loss_topk=m.mtp_loss_topk, mtp_loss_chunk_size=m.mtp_loss_chunk_size,
+        mtp_detach_trunk=m.mtp_detach_trunk, mtp_detach_shared_output=m.mtp_detach_shared_output,
+        mtp_separate_optimizer=m.mtp_separate_optimizer,
+        policy_lr=float(po.lr if policy_lr is None else policy_lr), head_lr=float(ho.lr),
+        weight_decay=float(po.weight_decay), betas=tuple(po.betas), eps=float(po.eps),
+        policy_grad_clip=float(po.grad_clip), head_grad_clip=float(ho.grad_clip),
+        lr_warmup_steps=int(po.warmup_steps), micro_batch_size=m.micro_batch_size, seed=cfg.trainer.seed,
+        dtype=m.dtype)
+
+
+def engine_config(cfg: DictConfig, model_path: Path):
+    from skyrl_mtp.rollout.config import EngineConfig
+
+    g = cfg.generator
+    return EngineConfig(
+        model_path=str(model_path), num_engines=g.num_engines, tensor_parallel_size=g.tensor_parallel_size,
+        num_speculative_tokens=(int(cfg.trainer.mtp.num_speculative_tokens)
+                                if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts else 0),
+        max_model_len=g.max_model_len, max_num_seqs=g.max_num_seqs, kv_cache_memory_bytes=g.kv_cache_memory_mb * 2**20,
+        enforce_eager=g.enforce_eager, dtype=g.dtype, seed=cfg.trainer.seed, cpu_sampling_fix=g.cpu_sampling_fix,
+        engine_kwargs=OmegaConf.to_container(g.engine_kwargs, resolve=True))
+
+
+def start_ray(cfg: DictConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)   # inside `ray job submit`: join the cluster
+        return
+    pl = cfg.trainer.placement
+    need = cfg.generator.num_engines * pl.cpus_per_engine + pl.policy_num_workers * pl.cpus_per_policy_worker
+    ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+
+
+def build_environment(cfg: DictConfig, client: Any, tokenizer: Any, data: dict[str, Path]):
+    from skyrl_mtp.trainer.environments import MathEnvironment, SearchEnvironment
+
+    if cfg.environment.name == "math":
+        from skyrl_mtp.envs.math_reward import MathReward
+
+        return MathEnvironment(client, tokenizer, MathReward(answer_pattern=cfg.environment.math.answer_pattern,
+                                                             timeout_s=cfg.environment.math.timeout_s))
+    from skyrl_mtp.envs.retriever.client import RetrieverClient
+
+    s = cfg.environment.search
+    server = None
+    url = s.retriever_url
+    if url is None:
+        from skyrl_mtp.envs.retriever.server import start_retriever_in_thread
+
+        corpus = s.corpus_file or data.get("corpus")
+        server = start_retriever_in_thread(corpus)
+        url = server.url
+        log(f"retriever: serving {corpus} at {url}")
+    retriever = RetrieverClient(url, timeout_s=s.timeout_s, max_retries=s.max_retries, topk=s.topk)
+    return SearchEnvironment(client, tokenizer, retriever, max_turns=cfg.generator.max_turns,
+                             max_total_len=cfg.generator.max_model_len, on_failure=s.on_failure, stop_server=server)
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+def check_run_dir(cfg: DictConfig) -> None:
+    from skyrl_mtp.trainer.run_dir import RunDir
+
+    rd = RunDir(cfg.trainer.run_dir)
+    if cfg.trainer.resume == "never" and (rd.metrics_file.exists() or rd.complete_steps()):
+        raise ConfigError([problem("trainer.run_dir", cfg.trainer.run_dir,
+                                   "already holds a run and trainer.resume=never would overwrite it; choose a new "
+                                   "run_dir or set trainer.resume=auto to continue it")])
+
+
+def run(cfg: DictConfig) -> int:
+    from skyrl_mtp.trainer.trainer import EngineDiedError
+
+    try:
+        return _run(cfg)
+    except ConfigError as err:
+        print(f"skyrl-mtp: {err}", file=sys.stderr)
+        return 2
+    except EngineDiedError as err:
+        print(f"skyrl-mtp: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(cfg: DictConfig) -> int:
+    import ray
+    from transformers import AutoTokenizer
+
+    from skyrl_mtp.tracking.tracker import Tracker
+    from skyrl_mtp.trainer.run_dir import RunDir
+
+    t_start = time.perf_counter()
+    cache = cache_root()
+    configure_offline_caches(cache)
+    check_run_dir(cfg)
+    base_model = resolve_model(cfg, cache)
+    data = synthetic_data(cfg, cache) if cfg.data.synthetic else {}
+    train_files = [Path(p) for p in cfg.data.train_files] or [data["train"]]
+    val_files = [Path(p) for p in cfg.data.val_files] or ([data["val"]] if "val" in data else [])
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model))
+    train = load_examples(cfg, train_files, tokenizer, "train")
+    val = load_examples(cfg, val_files, tokenizer, "val") if val_files else []
+    run_dir = RunDir(cfg.trainer.run_dir)
+    run_dir.create(cfg)
+
+    start_ray(cfg)
+    engines = policy = env = tracker = None
+    try:
+        model_path = base_model
+        if cfg.trainer.warm_start.enabled:
+            model_path = _warm_start(cfg, base_model, data, tokenizer, cache)
+        engines, policy = _start_workers(cfg, model_path)
+        env = build_environment(cfg, engines, tokenizer, data)
+        from skyrl_mtp.trainer.trainer import RLTrainer
+
+        trainer = RLTrainer(cfg, engines=engines, policy=policy, env=env, tokenizer=tokenizer,
+                            train_examples=train, val_examples=val, run_dir=run_dir, tracker=None, log=log)
+        resumed = trainer.resume_if_possible()
+        tracker = Tracker(run_dir.root, tuple(cfg.logger.backends), project=cfg.logger.project,
+                          run_name=cfg.logger.run_name, config=OmegaConf.to_container(cfg, resolve=True),
+                          resume_step=resumed, stream=sys.stderr)
+        trainer.tracker = tracker
+        _write_run_info(run_dir, cfg, model_path, engines, policy)
+        if resumed:
+            trainer.sync_weights()
+        elif cfg.trainer.eval_every_n_steps and val:
+            tracker.log(trainer.evaluate(), step=0)
+        log(f"ready after {time.perf_counter() - t_start:.1f}s; training steps {resumed + 1}..{cfg.trainer.total_steps}")
+        trainer.fit()
+    finally:
+        for closer in (env, tracker):
+            if closer is not None:
+                closer.close()
+        if engines is not None:
+            engines.shutdown()
+        if policy is not None:
+            policy.shutdown()
+        if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            ray.shutdown()
+    _finish(cfg, run_dir)
+    log(f"done in {time.perf_counter() - t_start:.1f}s; run dir {run_dir.root.resolve()}")
+    return 0
+
+
+def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokenizer: Any, cache: Path) -> Path:
+    from skyrl_mtp.policy.worker import PolicyWorker
+    from skyrl_mtp.trainer.policy_group import free_port
+    from skyrl_mtp.trainer.warm_start import WarmStartPlan, warm_start
+
+    ws = cfg.trainer.warm_start
+    plan = WarmStartPlan(steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=cfg.trainer.seed,
+                         micro_batch_size=cfg.megatron.micro_batch_size)
+    pl = cfg.trainer.placement
+
+    def start_worker(path: Path, lr: float):
+        import ray
+
+        wcfg = policy_worker_config(cfg, mtp_enabled=False, policy_lr=lr)
+        wcfg.tp = wcfg.dp = 1
+        wcfg.policy_grad_clip = 1.0
+        actor = PolicyWorker.options(num_cpus=pl.cpus_per_policy_worker, num_gpus=pl.gpus_per_policy_worker) \
+            .remote(wcfg, str(path), 0, 1, "127.0.0.1", free_port())
+        ray.get(actor.ping.remote())
+        return actor
+
+    root = Path(ws.cache_dir) if ws.cache_dir else cache / "warm_start"
+    return warm_start(base_model, root, warm_start_examples(cfg, data, tokenizer), plan,
+                      tokenizer.pad_token_id, start_worker, log=log)
+
+
+def _start_workers(cfg: DictConfig, model_path: Path):
+    from skyrl_mtp.rollout.client import EngineClient
+    from skyrl_mtp.trainer.policy_group import PolicyGroup
+
+    pl, m = cfg.trainer.placement, cfg.megatron
+    ecfg = engine_config(cfg, model_path)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        fut = pool.submit(EngineClient.create, ecfg, num_cpus_per_engine=pl.cpus_per_engine,
+                          num_gpus_per_engine=pl.gpus_per_engine)
+        try:
+            policy = PolicyGroup.create(policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
+                                        m.tp, m.pp, m.cp, m.dp, num_cpus=pl.cpus_per_policy_worker,
+                                        num_gpus=pl.gpus_per_policy_worker)
+        except BaseException:
+            try:
+                fut.result().shutdown()
+            except Exception:  # noqa: BLE001 - report the policy error, not this one
+                pass
+            raise
+        try:
+            engines = fut.result()
+        except BaseException:
+            policy.shutdown()
+            raise
+    return engines, policy
+
+
+def _write_run_info(run_dir, cfg: DictConfig, model_path: Path, engines: Any, policy: Any) -> None:
+    info = {
+        "model_path": str(model_path),
+        "engines": [{k: v for k, v in e.items() if k != "schema"} for e in engines.engine_infos],
+        "engine_config": {"num_speculative_tokens": engines.cfg.num_speculative_tokens,
+                          "speculative_config": engines.cfg.speculative_config},
+        "engine_speculative_tokens": engines.running_speculative_tokens(),
+        "policy_worker_config": policy.worker_config(),
+    }
+    (run_dir.root / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
+
+
+def _finish(cfg: DictConfig, run_dir) -> None:
+    from skyrl_mtp.tracking.summary import format_summary, summarize
+
+    if not run_dir.metrics_file.exists():
+        return
+    if cfg.logger.plots:
+        from skyrl_mtp.tracking.plots import write_plots
+
+        written = write_plots(run_dir.metrics_file, run_dir.plots)
+        log(f"plots: {', '.join(p.name for p in written)} in {run_dir.plots}")
+    print("\n" + format_summary(summarize(run_dir.metrics_file)), flush=True)

@@ -1,0 +1,257 @@
+"""The RL step loop: generate -> reward -> dynamic sampling -> GRPO -> DAPO + draft loss -> sync -> log -> checkpoint.
+
+`RLTrainer` owns the engines (an `EngineClient`), the policy (a `PolicyGroup` of Megatron
+workers), an `Environment`, the run directory and the tracker. Everything it computes itself
+is delegated to pure functions (advantages, overlong shaping, dynamic sampling, batch building)
+so that this file reads as the loop of DESIGN.md and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from skyrl_mtp.algorithms.advantages import grpo_advantages
+from skyrl_mtp.algorithms.dynamic_sampling import GroupAccumulator
+from skyrl_mtp.algorithms.overlong import overlong_filter_mask, soft_overlong_penalty
+from skyrl_mtp.data.datasets import PromptBatchIterator, PromptExample
+from skyrl_mtp.rollout.sampling import SamplingSpec
+from skyrl_mtp.trainer.batch import build_train_batch
+from skyrl_mtp.trainer.environments import Environment, RolloutGroup
+from skyrl_mtp.trainer.run_dir import RunDir, read_trainer_state
+from skyrl_mtp.trainer.step_timer import StepTimer
+
+FAULT_KILL_ENGINE_ENV = "SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP"
+
+
+class EngineDiedError(RuntimeError):
+    """An inference engine actor died; the message names it and the last intact checkpoint."""
+
+
+def sampling_spec(sc: Any, stop_token_ids: list[int], seed: int | None) -> SamplingSpec:
+    return SamplingSpec(temperature=float(sc.temperature), top_p=float(sc.top_p), top_k=int(sc.top_k),
+                        max_tokens=int(sc.max_tokens), stop=list(sc.stop), stop_token_ids=stop_token_ids, seed=seed)
+
+
+def step_seed(base: int, step: int, round_: int) -> int:
+    """Rollout seed of (step, generation round): a resumed run draws the same samples as an unbroken one."""
+    return (base * 1_000_003 + step * 1009 + round_ * 17) % (2**31 - 1)
+
+
+def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for p in parts for k in p}
+    return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in keys}
+
+
+class RLTrainer:
+    def __init__(self, cfg: Any, *, engines: Any, policy: Any, env: Environment, tokenizer: Any,
+                 train_examples: list[PromptExample], val_examples: list[PromptExample], run_dir: RunDir,
+                 tracker: Any, log: Callable[[str], None] = print):
+        self.cfg, self.engines, self.policy, self.env = cfg, engines, policy, env
+        self.tokenizer, self.run_dir, self.tracker, self.log = tokenizer, run_dir, tracker, log
+        self.val_examples = val_examples[: cfg.trainer.eval_batch_size]
+        self.data = PromptBatchIterator(train_examples, min(cfg.trainer.train_batch_size, len(train_examples)),
+                                        shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.step = 0
+        algo = cfg.algorithm
+        self.loss_kwargs = {"eps_clip_low": float(algo.eps_clip_low), "eps_clip_high": float(algo.eps_clip_high),
+                            "dual_clip_c": None if algo.dual_clip_c is None else float(algo.dual_clip_c),
+                            "loss_reduction": str(algo.loss_reduction)}
+
+    # ------------------------------------------------------------------ lifecycle
+    def resume_if_possible(self) -> int:
+        """Load the newest complete checkpoint when trainer.resume=auto; returns the step resumed from (0 = fresh)."""
+        latest = self.run_dir.latest() if self.cfg.trainer.resume == "auto" else None
+        if latest is None:
+            return 0
+        state = read_trainer_state(latest)
+        self.policy.load_checkpoint(str(latest))
+        self.data.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        self.log(f"resumed from {latest} (step {self.step})")
+        return self.step
+
+    def sync_weights(self) -> float:
+        named = self.policy.export_weights()
+        self.engines.sync_weights(named)
+        return self.engines.last_sync_seconds or 0.0
+
+    def fit(self) -> list[dict[str, float]]:
+        total = self.cfg.trainer.total_steps
+        history = []
+        bar = None
+        if self.cfg.trainer.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc="RL steps", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < total:
+                metrics = self.train_step()
+                history.append(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                                    accept=f"{metrics.get('rollout/train/draft_acceptance_rate', 0.0):.2f}")
+        finally:
+            if bar is not None:
+                bar.close()
+        return history
+
+    # ------------------------------------------------------------------ one step
+    def _generate(self, timer: StepTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
+        cfg = self.cfg
+        n = cfg.generator.n_samples_per_prompt
+        ds = cfg.algorithm.dynamic_sampling
+        target = self.data.batch_size
+        acc = GroupAccumulator(target_groups=target, max_rounds=ds.max_gen_rounds if ds.enabled else 1)
+        all_groups: list[RolloutGroup] = []
+        env_metrics: list[dict[str, float]] = []
+        window = self.engines.metrics
+        window.start("train")
+        try:
+            while not acc.done:
+                examples = self.data.next_batch()
+                spec = sampling_spec(cfg.generator.sampling, self.stop_ids,
+                                     step_seed(cfg.trainer.seed, self.step, acc.rounds_used))
+                groups, m = self._rollout(examples, spec, n)
+                window.pause()
+                with timer.phase("reward"):
+                    m.update(self.env.score(groups))
+                    self._shape_rewards(groups)
+                env_metrics.append(m)
+                all_groups += groups
+                if ds.enabled:
+                    acc.add_round(groups, [g.rewards for g in groups])
+                else:
+                    acc.rounds_used += 1
+                    acc.kept += groups
+                if not acc.done:
+                    window.resume()
+        finally:
+            spec_m = window.stop()   # a paused window stops with the time before its pause
+        stats = acc.stats()
+        kept = acc.take()
+        metrics = {**mean_metrics(env_metrics), **spec_m, **stats}
+        # reward/* describes every sampled response of the step (the policy's current quality)
+        flat = [r.reward for g in all_groups for r in g.rollouts]
+        metrics["reward/mean"] = sum(flat) / max(len(flat), 1)
+        metrics["reward/num_samples"] = float(len(flat))
+        if not kept:
+            # no group with reward spread: the policy gradient is zero anyway; the head still trains on them
+            kept = all_groups[:target]
+            metrics["dynamic_sampling/fallback_all"] = 1.0
+        dp = int(cfg.megatron.dp)
+        kept = kept[: max(len(kept) // dp, 1) * dp] if len(kept) >= dp else kept
+        return kept, metrics
+
+    def _rollout(self, examples, spec, n):
+        import ray
+
+        if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(self.step + 1):   # failure-path tests only
+            self.log(f"fault injection: killing inference engine 0 before step {self.step + 1}")
+            ray.kill(self.engines.actors[0])
+        try:
+            return self.env.generate(examples, spec, n)
+        except ray.exceptions.RayActorError as err:
+            latest = self.run_dir.latest()
+            dead = getattr(err, "actor_id", None)
+            ids = [a._actor_id.hex() for a in self.engines.actors]
+            which = f"inference engine {ids.index(dead)} (actor {dead})" if dead in ids else "an inference engine"
+            raise EngineDiedError(
+                f"{which} died during the rollout of step {self.step + 1} ({type(err).__name__}); the last "
+                f"complete checkpoint is {latest if latest else 'none (no checkpoint written yet)'} and was not "
+                "modified; rerun with trainer.resume=auto to continue from it") from err
+
+    def _shape_rewards(self, groups: list[RolloutGroup]) -> None:
+        op = self.cfg.algorithm.overlong_punishment
+        if not op.enabled:
+            return
+        flat = [r for g in groups for r in g.rollouts]
+        lengths = torch.tensor([len(r.response_ids) for r in flat])
+        pen = soft_overlong_penalty(lengths, int(self.cfg.generator.sampling.max_tokens), int(op.buffer_len),
+                                    float(op.penalty_factor))
+        for r, p in zip(flat, pen.tolist()):
+            r.info["overlong_penalty"] = p
+            r.reward += p
+
+    def _train_batches(self, groups: list[RolloutGroup]) -> list[dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        rewards = torch.tensor([[r.reward for r in g.rollouts] for g in groups], dtype=torch.float32)
+        adv = grpo_advantages(rewards, norm_by_std=bool(cfg.algorithm.norm_adv_by_std)).flatten()
+        flat = [r for g in groups for r in g.rollouts]
+        masks = overlong_filter_mask([r.finish_reason for r in flat]) if cfg.algorithm.overlong_filtering else None
+        mini = cfg.trainer.policy_mini_batch_size or len(groups)
+        n = len(groups[0].rollouts)
+        batches = []
+        for start in range(0, len(groups), mini):
+            sl = slice(start * n, min(start + mini, len(groups)) * n)
+            batches.append(build_train_batch(flat[sl], adv[sl], self.pad_id,
+                                             None if masks is None else masks[sl]))
+        return batches
+
+    def train_step(self) -> dict[str, float]:
+        timer = StepTimer()
+        with timer.phase("generate"):
+            groups, metrics = self._generate(timer)
+        timer.totals["generate"] -= timer.totals.get("reward", 0.0)
+        batches = self._train_batches(groups)
+        with timer.phase("old_logprobs"):
+            diffs, n_tok = 0.0, 0.0
+            for b in batches:
+                b["old_logprobs"] = self.policy.compute_logprobs(
+                    {k: b[k] for k in ("input_ids", "attention_mask", "loss_mask")})
+                mask = b["loss_mask"] > 0
+                diffs += float((b["old_logprobs"] - b["rollout_logprobs"]).abs()[mask].sum())
+                n_tok += float(mask.sum())
+                b.pop("rollout_logprobs")
+        metrics["rollout/logprob_abs_diff"] = diffs / max(n_tok, 1.0)
+        metrics["rollout/response_length_mean"] = sum(
+            len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
+        with timer.phase("train"):
+            parts = [self.policy.train_step(b, policy_loss=self.cfg.algorithm.policy_loss_type,
+                                            policy_loss_kwargs=self.loss_kwargs) for b in batches]
+        metrics.update(mean_metrics(parts))
+        metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
+        metrics["train/num_updates"] = float(len(batches))
+        with timer.phase("sync"):
+            self.sync_weights()
+        self.step += 1
+        if self.cfg.trainer.eval_every_n_steps and (self.step % self.cfg.trainer.eval_every_n_steps == 0
+                                                    or self.step == self.cfg.trainer.total_steps):
+            with timer.phase("eval"):
+                metrics.update(self.evaluate())
+        every = self.cfg.trainer.checkpoint.every_n_steps
+        if every and (self.step % every == 0 or self.step == self.cfg.trainer.total_steps):
+            with timer.phase("checkpoint"):
+                self.save_checkpoint()
+        metrics.update(timer.metrics())
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self.tracker.log(clean, step=self.step)
+        return {"step": self.step, **clean}
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.val_examples:
+            return {}
+        spec = sampling_spec(self.cfg.generator.eval_sampling, self.stop_ids, step_seed(self.cfg.trainer.seed, 0, 99))
+        window = self.engines.metrics
+        window.start("eval")
+        try:
+            groups, m = self._rollout(self.val_examples, spec, 1)
+            window.pause()
+            m.update(self.env.score(groups))
+        finally:
+            spec_m = window.stop()
+        return {**{f"eval/{k}": v for k, v in m.items()}, **spec_m}
+
+    def save_checkpoint(self) -> None:
+        staging = self.run_dir.staging_dir(self.step)
+        self.policy.save_checkpoint(str(staging))
+        state = {"step": self.step, "data": self.data.state_dict()}
+        path = self.run_dir.commit(staging, self.step, state, int(self.cfg.trainer.checkpoint.keep_last))
+        self.log(f"checkpoint: {path}")

@@ -1,0 +1,45 @@
+"""A plan's bundles become a real Ray placement group and its actors land in their bundles (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_mtp.cluster.placement import PlacementError, actor_options, plan_for_running_cluster
+from skyrl_mtp.config import load_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_plan_schedules_actors_into_their_bundles(ray_local):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    cfg = load_config(["recipe=tiny_dapo"])
+    plan = plan_for_running_cluster(cfg)
+    pg = placement_group(list(plan.bundles), strategy=plan.strategy)
+    try:
+        assert pg.wait(timeout_seconds=60)
+
+        @ray.remote
+        class Probe:
+            def where(self):
+                ctx = ray.get_runtime_context()
+                return ctx.get_placement_group_id(), ray.get_gpu_ids()
+
+        actors = [Probe.options(**actor_options(pg, a)).remote() for a in plan.engines + plan.policy]
+        seen = ray.get([a.where.remote() for a in actors], timeout=60)
+        assert [s[0] for s in seen] == [pg.id.hex()] * len(actors)
+        assert all(s[1] == [] for s in seen)   # CPU plan: no GPUs
+        for a in actors:
+            ray.kill(a)
+    finally:
+        remove_placement_group(pg)
+
+
+def test_running_cluster_too_small_is_named(ray_local):
+    import ray
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    cfg = load_config(["recipe=tiny_dapo", f"generator.num_engines={cpus}"])
+    with pytest.raises(PlacementError, match=f"cluster too small: needs {cpus + 1} CPUs .* but the cluster has {cpus}"):
+        plan_for_running_cluster(cfg)

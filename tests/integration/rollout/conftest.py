@@ -1,0 +1,115 @@
+"""Engines shared by the rollout integration tests, never more than three vLLM engines alive at once.
+
+Each vLLM engine costs ~2.2 GiB and 15-50 s to start on the 2-core test machines, so the tests share
+a session `EnginePool`: it starts EngineClients by name on demand (several at once, concurrently) and
+shuts down the least recently used ones when a new one would exceed the budget. Tests switch
+checkpoints by syncing weights, not by starting engines. The named configurations:
+
+- "nospec": no speculative decoding, fresh on the ORACLE checkpoint (the greedy reference).
+- "k1": MTP k=1, fresh on the ORACLE checkpoint.
+- "k3": MTP k=3, fresh on the RANDOM-head checkpoint (the default tiny one).
+- "k2": MTP k=2, TWO engines behind one client, fresh on the ORACLE checkpoint (passes an engine kwarg).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
+
+MAX_ALIVE_ENGINES = 3
+SMALL = {"max_model_len": 256, "max_num_seqs": 16, "kv_cache_memory_bytes": 32 * 2**20}
+
+
+class EnginePool:
+    """Named EngineClients started on demand; at most `max_engines` vLLM engines alive (LRU eviction)."""
+
+    def __init__(self, configs: dict[str, Callable[[], object]], max_engines: int = MAX_ALIVE_ENGINES):
+        self._configs = configs
+        self._max = max_engines
+        self._alive: dict[str, object] = {}   # insertion order = least recently used first
+
+    def get(self, *names: str):
+        """The clients for `names` (one client if one name), starting the missing ones concurrently."""
+        from skyrl_mtp.rollout.client import EngineClient
+
+        unknown = [n for n in names if n not in self._configs]
+        if unknown:
+            raise KeyError(f"unknown engine names {unknown}; known: {sorted(self._configs)}")
+        cfgs = {n: self._configs[n]() for n in names if n not in self._alive}
+        need = sum(c.num_engines for c in cfgs.values())
+        for n in list(self._alive):
+            if self._count() + need <= self._max:
+                break
+            if n not in names:
+                self._alive.pop(n).shutdown()
+        if self._count() + need > self._max:
+            raise RuntimeError(f"engines {names} need more than {self._max} alive vLLM engines")
+        if cfgs:
+            with ThreadPoolExecutor(max_workers=len(cfgs)) as pool:
+                futures = {n: pool.submit(EngineClient.create, c) for n, c in cfgs.items()}
+                errors = []
+                for n, fut in futures.items():
+                    try:
+                        self._alive[n] = fut.result()
+                    except Exception as e:  # noqa: BLE001 - keep the started ones (shut down at the end), raise the first
+                        errors.append(e)
+                if errors:
+                    raise errors[0]
+        for n in names:  # mark as most recently used
+            self._alive[n] = self._alive.pop(n)
+        clients = tuple(self._alive[n] for n in names)
+        return clients[0] if len(clients) == 1 else clients
+
+    def _count(self) -> int:
+        return sum(c.num_engines for c in self._alive.values())
+
+    def shutdown(self) -> None:
+        while self._alive:
+            self._alive.pop(next(iter(self._alive))).shutdown()
+
+
+def _spec(**kw) -> TinyModelSpec:
+    return TinyModelSpec(seed=0, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_ckpts")
+
+
+@pytest.fixture(scope="session")
+def random_ckpt(tiny_cache) -> Path:
+    """The default tiny checkpoint: random trunk, random (untrained) MTP head."""
+    return cached_tiny_checkpoint(tiny_cache, _spec())
+
+
+@pytest.fixture(scope="session")
+def oracle_ckpt(tiny_cache) -> Path:
+    """Bigram target with an MTP head that always drafts the target's greedy token."""
+    return cached_tiny_checkpoint(tiny_cache, _spec(head="oracle"))
+
+
+@pytest.fixture(scope="session")
+def no_mtp_ckpt(tiny_cache) -> Path:
+    return cached_tiny_checkpoint(tiny_cache, _spec(mtp_layers=0))
+
+
+@pytest.fixture(scope="session")
+def engine_pool(ray_local, random_ckpt, oracle_ckpt):
+    from skyrl_mtp.rollout.config import EngineConfig
+
+    configs = {
+        "nospec": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=0, **SMALL),
+        "k1": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=1, **SMALL),
+        "k3": lambda: EngineConfig(model_path=str(random_ckpt), num_speculative_tokens=3, **SMALL),
+        "k2": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=2, num_engines=2,
+                                   engine_kwargs={"max_num_batched_tokens": 1536}, **SMALL),
+    }
+    pool = EnginePool(configs)
+    yield pool
+    pool.shutdown()

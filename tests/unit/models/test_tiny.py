@@ -1,0 +1,146 @@
+"""The tiny MiMo checkpoint factory: determinism, config fields, tokenizer, bad specs, oracle agreement in torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skyrl_mtp.models.tiny import (
+    TinyModelSpec,
+    build_tiny_checkpoint,
+    build_weights,
+    cached_tiny_checkpoint,
+    head_target_agreement,
+    main,
+)
+
+
+def _rms(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=0))
+
+
+def _digest(path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_same_spec_gives_same_bytes_and_seed_changes_weights(ckpt, tmp_path):
+    again = build_tiny_checkpoint(tmp_path / "again", TinyModelSpec(seed=0))
+    assert _digest(again) == _digest(ckpt)
+    w0 = build_weights(TinyModelSpec(seed=0))
+    w1 = build_weights(TinyModelSpec(seed=1))
+    assert set(w0) == set(w1)
+    assert not torch.equal(w0["model.embed_tokens.weight"], w1["model.embed_tokens.weight"])
+
+
+def test_config_fields_and_weight_names(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["model_type"] == "qwen2"
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["vocab_size"], cfg["num_nextn_predict_layers"]) == (128, 2, 4, 2, 512, 1)
+    assert cfg["head_dim"] == 32 and cfg["tie_word_embeddings"] is False
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == cfg["eos_token_id"]
+    w = load_file(str(ckpt / "model.safetensors"))
+    assert w["model.mtp_layers.0.input_proj.weight"].shape == (128, 256)
+    for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        assert w[f"model.mtp_layers.0.{name}.weight"].shape == (128,)
+    assert w["lm_head.weight"].shape == (512, 128)
+    assert all(t.dtype == torch.float32 for t in w.values())
+    assert not any(n.startswith("model.mtp_layers.1.") for n in w)
+
+
+def test_no_mtp_layers_and_tied_embeddings(tmp_path):
+    w = build_weights(TinyModelSpec(mtp_layers=0, tie_word_embeddings=True))
+    assert not any("mtp_layers" in n for n in w) and "lm_head.weight" not in w
+
+
+def test_tokenizer_round_trip_and_chat_template(ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    assert len(tok) <= 512
+    text = "What is 37 + 45? <answer>82</answer>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids("<answer>") in ids          # tool tokens are single tokens
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"hidden": 0}, r"TinyModelSpec.hidden=0 is invalid"),
+    ({"vocab": 100}, r"TinyModelSpec.vocab=100 is invalid"),
+    ({"heads": 3}, r"TinyModelSpec.heads=3 is invalid; allowed: a divisor of hidden=128"),
+    ({"heads": 8}, r"TinyModelSpec.heads=8 is invalid.*head_dim"),          # head_dim 16: vLLM CPU cannot
+    ({"kv_heads": 3}, r"TinyModelSpec.kv_heads=3 is invalid"),
+    ({"head": "perfect"}, r"TinyModelSpec.head='perfect' is invalid"),
+    ({"head": "oracle", "mtp_layers": 0}, r"TinyModelSpec.head='oracle' is invalid"),
+    ({"head": "oracle", "tie_word_embeddings": True}, r"TinyModelSpec.head='oracle' is invalid"),
+    ({"mtp_layers": -1}, r"TinyModelSpec.mtp_layers=-1 is invalid"),
+    ({"partial_agreement": 1.0}, r"TinyModelSpec.partial_agreement=1.0 is invalid"),
+])
+def test_bad_specs_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TinyModelSpec(**kwargs)
+
+
+def test_cli_rejects_bad_spec(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--heads", "3"])
+    assert "TinyModelSpec.heads=3" in capsys.readouterr().err
+
+
+def _oracle_forward(w: dict[str, torch.Tensor], spec: TinyModelSpec, tokens: torch.Tensor):
+    """Target next-token and MTP draft argmax, the way vLLM's MiMo computes them, for a bigram checkpoint.
+
+    Trunk blocks and the MTP block write nothing (zero o_proj/down_proj), so the target's pre-norm hidden
+    at a position is the token embedding, and the MTP layer sees input_proj(cat[hnorm(h), tnorm(e_next)]).
+    """
+    for name, t in w.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.count_nonzero(t) == 0, name
+    emb, lm = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    target_next = (_rms(emb[tokens]) * w["model.norm.weight"]) @ lm.T
+    p = "model.mtp_layers.0."
+    nxt = target_next.argmax(-1)
+    x = torch.cat([_rms(emb[tokens]) * w[p + "hidden_layernorm.weight"],
+                   _rms(emb[nxt]) * w[p + "token_layernorm.weight"]], dim=-1) @ w[p + "input_proj.weight"].T
+    draft = (_rms(x) * w[p + "final_layernorm.weight"]) @ lm.T
+    return nxt, target_next.softmax(-1), draft.argmax(-1)
+
+
+def test_oracle_head_drafts_exactly_the_targets_greedy_next_next_token():
+    spec = TinyModelSpec(seed=0, head="oracle")
+    w = build_weights(spec)
+    tokens = torch.arange(spec.vocab)
+    nxt, probs, draft = _oracle_forward(w, spec, tokens)
+    assert len(set(nxt.tolist())) == spec.vocab                 # a permutation: no fixed attractor token
+    assert torch.equal(draft, nxt[nxt])                          # draft at t == target's choice at t+1
+    assert probs.max(-1).values.min() > 0.1                      # sharp but not one-hot: T=1 still explores
+    assert head_target_agreement(w["model.embed_tokens.weight"], w["lm_head.weight"], torch.eye(spec.hidden)) == 1
+
+
+def test_random_and_partial_heads_disagree_as_specified():
+    w = build_weights(TinyModelSpec(seed=0, head="partial", partial_agreement=0.5))
+    spec = TinyModelSpec(seed=0, head="partial")
+    nxt, _, draft = _oracle_forward(w, spec, torch.arange(spec.vocab))
+    agree = (draft == nxt[nxt]).float().mean().item()
+    assert 0.35 < agree < 0.65, agree
+
+
+def test_cached_checkpoint_builds_once(tmp_path):
+    spec = TinyModelSpec(seed=3)
+    a = cached_tiny_checkpoint(tmp_path, spec)
+    stamp = (a / "model.safetensors").stat().st_mtime_ns
+    b = cached_tiny_checkpoint(tmp_path, spec)
+    assert a == b and (b / "COMPLETE").exists() and (b / "model.safetensors").stat().st_mtime_ns == stamp

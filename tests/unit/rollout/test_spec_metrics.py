@@ -1,0 +1,131 @@
+"""SpecMetricsWindow on fake counter snapshots: deltas, paused time excluded, labels separate, misuse errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_mtp.rollout.spec_metrics import (
+    SpecCounters,
+    SpecMetricsWindow,
+    counters_from_vllm_metrics,
+    sum_counters,
+    summarize_window,
+)
+
+
+class FakeEngines:
+    """Cumulative counters and a clock the test advances by hand."""
+
+    def __init__(self):
+        self.counters = SpecCounters(num_drafts=100, num_draft_tokens=200, num_accepted_tokens=150,
+                                     accepted_per_pos=(90, 60), generated_tokens=1000)
+        self.now = 50.0
+
+    def generate(self, drafts, accepted_per_pos, seconds):
+        k = len(accepted_per_pos)
+        c = self.counters
+        self.counters = c + SpecCounters(drafts, drafts * k, sum(accepted_per_pos), tuple(accepted_per_pos),
+                                         drafts + sum(accepted_per_pos))
+        self.now += seconds
+
+
+def make():
+    eng = FakeEngines()
+    return eng, SpecMetricsWindow(lambda: eng.counters, 2, clock=lambda: eng.now)
+
+
+def test_window_reports_deltas_not_cumulative_values():
+    eng, w = make()
+    w.start("train")
+    eng.generate(drafts=10, accepted_per_pos=(8, 4), seconds=2.0)
+    m = w.stop()
+    assert m["rollout/train/num_drafts"] == 10
+    assert m["rollout/train/num_draft_tokens"] == 20
+    assert m["rollout/train/num_accepted_tokens"] == 12
+    assert m["rollout/train/draft_acceptance_rate"] == pytest.approx(12 / 20)
+    assert m["rollout/train/draft_acceptance_rate_pos_1"] == pytest.approx(0.8)
+    assert m["rollout/train/draft_acceptance_rate_pos_2"] == pytest.approx(0.4)
+    assert m["rollout/train/mean_acceptance_length"] == pytest.approx(1 + 12 / 10)
+    assert m["rollout/train/generated_tokens"] == 22
+    assert m["rollout/train/tokens_per_s"] == pytest.approx(22 / 2.0)
+
+
+def test_paused_time_and_counts_are_excluded():
+    eng, w = make()
+    w.start("train")
+    eng.generate(10, (10, 10), seconds=1.0)
+    w.pause()
+    eng.now += 100.0                       # reward computation, weight sync...
+    eng.generate(5, (0, 0), seconds=3.0)   # anything that happens while paused does not count
+    w.resume()
+    eng.generate(10, (10, 10), seconds=1.0)
+    m = w.stop()
+    assert m["rollout/train/active_seconds"] == pytest.approx(2.0)
+    assert m["rollout/train/num_drafts"] == 20
+    assert m["rollout/train/draft_acceptance_rate"] == pytest.approx(1.0)
+    assert m["rollout/train/tokens_per_s"] == pytest.approx(60 / 2.0)
+
+
+def test_labels_are_separate_and_windows_do_not_mix():
+    eng, w = make()
+    w.start("train")
+    eng.generate(10, (10, 0), seconds=1.0)
+    with pytest.raises(RuntimeError, match="'train' is still open"):
+        w.start("eval")
+    train = w.stop()
+    w.start("eval")
+    eng.generate(4, (0, 0), seconds=1.0)
+    ev = w.stop()
+    assert set(train) & set(ev) == set()
+    assert all(k.startswith("rollout/train/") for k in train)
+    assert all(k.startswith("rollout/eval/") for k in ev)
+    assert train["rollout/train/draft_acceptance_rate_pos_1"] == 1.0
+    assert ev["rollout/eval/num_drafts"] == 4
+    assert ev["rollout/eval/draft_acceptance_rate"] == 0.0
+
+
+def test_stop_while_paused_and_misuse_errors():
+    eng, w = make()
+    for call in (w.pause, w.resume, w.stop):
+        with pytest.raises(RuntimeError, match="no window is open"):
+            call()
+    with pytest.raises(ValueError, match="label"):
+        w.start("")
+    with pytest.raises(ValueError, match="label"):
+        w.start("a/b")
+    w.start("eval")
+    with pytest.raises(RuntimeError, match="not paused"):
+        w.resume()
+    eng.generate(3, (3, 3), seconds=1.0)
+    w.pause()
+    with pytest.raises(RuntimeError, match="already paused"):
+        w.pause()
+    eng.now += 10
+    m = w.stop()
+    assert m["rollout/eval/active_seconds"] == pytest.approx(1.0)
+    assert w.label is None
+
+
+def test_no_drafts_gives_zero_rates_and_unit_length():
+    m = summarize_window(SpecCounters(generated_tokens=7), "train", 0, 1.0)
+    assert m["rollout/train/draft_acceptance_rate"] == 0.0
+    assert m["rollout/train/mean_acceptance_length"] == 1.0
+    assert not any("pos_" in k for k in m)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpecMetricsWindow(lambda: SpecCounters(), -1)
+
+
+def test_counters_from_vllm_metric_objects_sum_over_label_sets():
+    class M:
+        def __init__(self, name, value=None, values=None):
+            self.name, self.value, self.values = name, value, values
+
+    ms = [M("vllm:spec_decode_num_drafts", 3), M("vllm:spec_decode_num_drafts", 2),
+          M("vllm:spec_decode_num_draft_tokens", 10), M("vllm:spec_decode_num_accepted_tokens", 7),
+          M("vllm:spec_decode_num_accepted_tokens_per_pos", values=[4, 3]),
+          M("vllm:generation_tokens", 40), M("vllm:num_requests_running", 1)]
+    c = counters_from_vllm_metrics(ms)
+    assert c == SpecCounters(5, 10, 7, (4.0, 3.0), 40)
+    total = sum_counters([c, SpecCounters(1, 1, 1, (1.0, 0.0, 5.0), 2)])
+    assert total.accepted_per_pos == (5.0, 3.0, 5.0)
+    assert total.num_drafts == 6

@@ -1,0 +1,117 @@
+"""Pure parts of the RL loop: batch assembly, seeds, metric averaging, run directory, warm-start plumbing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+
+from skyrl_mtp.trainer.batch import Rollout, build_train_batch
+from skyrl_mtp.trainer.run_dir import COMPLETE_MARKER, RunDir, read_trainer_state
+from skyrl_mtp.trainer.trainer import mean_metrics, step_seed
+from skyrl_mtp.trainer.warm_start import (
+    SFTExample,
+    WarmStartPlan,
+    cache_key,
+    sft_batches,
+    write_hf_checkpoint,
+)
+
+
+def test_build_train_batch_layout_and_masks():
+    rs = [Rollout([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], "stop", response_loss_mask=[1, 0, 1]),
+          Rollout([5], [4], [-1.0], "length")]
+    b = build_train_batch(rs, torch.tensor([2.0, -1.0]), pad_id=0, response_masks=torch.tensor([1.0, 0.0]))
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 0]]
+    assert b["advantages"].tolist() == [[0, 0, 2, 0, 2], [0, 0, 0, 0, 0]]
+    assert b["rollout_logprobs"][0].tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3])
+
+
+def test_build_train_batch_rejects_mismatches():
+    with pytest.raises(ValueError, match="advantages must have shape"):
+        build_train_batch([Rollout([1], [2], [0.0], "stop")], torch.zeros(2), 0)
+    with pytest.raises(ValueError, match="logprobs for 2 response tokens"):
+        build_train_batch([Rollout([1], [2, 3], [0.0], "stop")], torch.zeros(1), 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_train_batch([Rollout([], [2], [0.0], "stop")], torch.zeros(1), 0)
+
+
+def test_step_seed_is_deterministic_and_distinct():
+    seeds = {step_seed(42, s, r) for s in range(50) for r in range(3)}
+    assert len(seeds) == 150
+    assert step_seed(42, 7, 1) == step_seed(42, 7, 1)
+    assert all(0 <= s < 2**31 - 1 for s in seeds)
+
+
+def test_mean_metrics_averages_over_parts_that_have_the_key():
+    assert mean_metrics([{"a": 1.0, "b": 2.0}, {"a": 3.0}]) == {"a": 2.0, "b": 2.0}
+
+
+def test_run_dir_commit_latest_and_prune(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.create(OmegaConf.create({"x": 1}))
+    for step in (2, 4, 6):
+        staging = rd.staging_dir(step)
+        (staging / "payload").write_text(str(step))
+        rd.commit(staging, step, {"step": step, "data": {"epoch": 0, "position": step}}, keep_last=2)
+    assert rd.complete_steps() == [4, 6]
+    assert read_trainer_state(rd.latest()) == {"step": 6, "data": {"epoch": 0, "position": 6}}
+    # a crash mid-save leaves only a staging dir or an unmarked dir: never picked up by resume
+    rd.staging_dir(8)
+    (rd.checkpoints / "step_10").mkdir()
+    assert rd.latest() == rd.step_dir(6)
+    assert (rd.step_dir(6) / COMPLETE_MARKER).read_text() == "6"
+
+
+def test_sft_batches_cycle_deterministically_and_mask_tool_tokens():
+    ex = [SFTExample([1, 2], [3, 4, 5], [1, 0, 1]), SFTExample([1], [6])]
+    plan = WarmStartPlan(steps=3, lr=1e-3, batch_size=2, seed=0, micro_batch_size=2)
+    a, b = list(sft_batches(ex, plan, pad_id=0)), list(sft_batches(ex, plan, pad_id=0))
+    assert len(a) == 3 and all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+    rows = {tuple(r.tolist()): m.tolist() for bt in a for r, m in zip(bt["input_ids"], bt["loss_mask"])}
+    assert rows[(1, 2, 3, 4, 5)] == [0, 0, 1, 0, 1]
+    assert rows[(1, 6, 0, 0, 0)] == [0, 1, 0, 0, 0]
+    assert "advantages" not in a[0] and "old_logprobs" not in a[0]
+
+
+def test_write_hf_checkpoint_replaces_trunk_keeps_mtp(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"a": 1}))
+    save_file({"model.norm.weight": torch.ones(2), "model.mtp_layers.0.x": torch.zeros(2)}, str(base / "model.safetensors"))
+    out = tmp_path / "out"
+    write_hf_checkpoint(out, base, {"model.norm.weight": torch.full((2,), 3.0)})
+    w = load_file(str(out / "model.safetensors"))
+    assert w["model.norm.weight"].tolist() == [3.0, 3.0] and w["model.mtp_layers.0.x"].tolist() == [0.0, 0.0]
+    assert (out / "config.json").exists()
+    with pytest.raises(ValueError, match="lacks"):
+        write_hf_checkpoint(tmp_path / "bad", base, {"model.unknown": torch.ones(1)})
+
+
+def test_warm_start_cache_key_depends_on_plan_and_data(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    ex = [SFTExample([1], [2])]
+    p1 = WarmStartPlan(steps=3, lr=1e-3, batch_size=2, seed=0, micro_batch_size=2)
+    p2 = WarmStartPlan(steps=4, lr=1e-3, batch_size=2, seed=0, micro_batch_size=2)
+    assert cache_key(tmp_path, p1, ex) == cache_key(tmp_path, p1, list(ex))
+    assert cache_key(tmp_path, p1, ex) != cache_key(tmp_path, p2, ex)
+    assert cache_key(tmp_path, p1, ex) != cache_key(tmp_path, p1, [SFTExample([1], [3])])
+
+
+def test_resume_never_refuses_to_overwrite_a_run(tmp_path):
+    from skyrl_mtp.config import ConfigError, load_config
+    from skyrl_mtp.trainer.launch import check_run_dir
+
+    run = tmp_path / "run"
+    cfg = load_config(["recipe=tiny_dapo", f"trainer.run_dir={run}", "trainer.resume=never"])
+    check_run_dir(cfg)  # empty: fine
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="trainer.run_dir.*resume=never"):
+        check_run_dir(cfg)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
