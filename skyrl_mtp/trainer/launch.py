@@ -213,12 +213,16 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> int:
+    from skyrl_mtp.cluster.placement import PlacementError
     from skyrl_mtp.trainer.trainer import EngineDiedError
 
     try:
         return _run(cfg)
     except ConfigError as err:
         print(f"skyrl-mtp: {err}", file=sys.stderr)
+        return 2
+    except PlacementError as err:
+        print(f"skyrl-mtp: placement: {err}", file=sys.stderr)
         return 2
     except EngineDiedError as err:
         print(f"skyrl-mtp: error: {err}", file=sys.stderr)
@@ -249,10 +253,14 @@ def _run(cfg: DictConfig) -> int:
     start_ray(cfg)
     engines = policy = env = tracker = None
     try:
+        from skyrl_mtp.cluster.placement import plan_for_running_cluster
+
+        plan = plan_for_running_cluster(cfg)   # a cluster too small fails here, before any actor starts
+        log(plan.describe())
         model_path = base_model
         if cfg.trainer.warm_start.enabled:
             model_path = _warm_start(cfg, base_model, data, tokenizer, cache)
-        engines, policy = _start_workers(cfg, model_path)
+        engines, policy = _start_workers(cfg, model_path, plan)
         env = build_environment(cfg, engines, tokenizer, data)
         from skyrl_mtp.trainer.trainer import RLTrainer
 
@@ -311,19 +319,21 @@ def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokeni
                       tokenizer.pad_token_id, start_worker, log=log)
 
 
-def _start_workers(cfg: DictConfig, model_path: Path):
+def _start_workers(cfg: DictConfig, model_path: Path, plan: Any):
+    """Engines and policy ranks with the plan's per-actor resources (a colocated engine takes 0 GPUs:
+    Ray accounts its GPUs to the policy ranks that share them)."""
     from skyrl_mtp.rollout.client import EngineClient
     from skyrl_mtp.trainer.policy_group import PolicyGroup
 
     pl, m = cfg.trainer.placement, cfg.megatron
+    eng, pol = plan.engines[0], plan.policy[0]
     ecfg = engine_config(cfg, model_path)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        fut = pool.submit(EngineClient.create, ecfg, num_cpus_per_engine=pl.cpus_per_engine,
-                          num_gpus_per_engine=pl.gpus_per_engine)
+        fut = pool.submit(EngineClient.create, ecfg, num_cpus_per_engine=eng.num_cpus,
+                          num_gpus_per_engine=eng.num_gpus)
         try:
             policy = PolicyGroup.create(policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
-                                        m.tp, m.pp, m.cp, m.dp, num_cpus=pl.cpus_per_policy_worker,
-                                        num_gpus=pl.gpus_per_policy_worker)
+                                        m.tp, m.pp, m.cp, m.dp, num_cpus=pol.num_cpus, num_gpus=pol.num_gpus)
         except BaseException:
             try:
                 fut.result().shutdown()

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,21 +18,12 @@ from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[3]
 SMALL = ["recipe=tiny_dapo", "trainer.train_batch_size=4", "generator.n_samples_per_prompt=4",
          "trainer.policy_mini_batch_size=2", "generator.sampling.max_tokens=24", "generator.eval_sampling.max_tokens=24",
          "trainer.eval_batch_size=8", "megatron.head_optimizer.lr=1.0e-2", "trainer.progress_bar=false",
          "algorithm.dynamic_sampling.max_gen_rounds=1"]
 # identical metrics across runs exclude wall-clock ones
 VOLATILE = ("timing/", "tokens_per_s", "active_seconds")
-
-
-def cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "skyrl_mtp.main", *args], cwd=REPO, env=env, text=True,
-                          capture_output=True, timeout=timeout)
-    return proc
 
 
 def metrics(run: Path) -> dict[int, dict]:
@@ -47,7 +35,7 @@ def stable(row: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory) -> Path:
+def run_a(tmp_path_factory, cli) -> Path:
     run = tmp_path_factory.mktemp("rl") / "a"
     proc = cli([*SMALL, f"trainer.run_dir={run}", "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2",
                 "trainer.eval_every_n_steps=3", "trainer.mtp.num_speculative_tokens=3",
@@ -85,7 +73,7 @@ def test_cli_overrides_reach_the_engines_and_the_loss(run_a):
     assert info["policy_worker_config"]["mtp_loss_topk"] == 16
 
 
-def test_resume_continues_with_identical_next_step(run_a, tmp_path):
+def test_resume_continues_with_identical_next_step(run_a, tmp_path, cli):
     run_b = tmp_path / "b"
     shutil.copytree(run_a, run_b)
     shutil.rmtree(run_b / "checkpoints" / "step_3")
@@ -103,7 +91,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
 
 
-def test_engine_death_is_named_and_checkpoint_survives(run_a, tmp_path):
+def test_engine_death_is_named_and_checkpoint_survives(run_a, tmp_path, cli):
     run_c = tmp_path / "c"
     shutil.copytree(run_a, run_c)
     before = _digest(run_c / "checkpoints" / "step_3")
@@ -118,7 +106,7 @@ def test_engine_death_is_named_and_checkpoint_survives(run_a, tmp_path):
     assert max(metrics(run_c)) == 3
 
 
-def test_draft_training_leaves_the_policy_bitwise_untouched(tmp_path):
+def test_draft_training_leaves_the_policy_bitwise_untouched(tmp_path, cli):
     common = [*SMALL, "trainer.total_steps=2", "trainer.checkpoint.every_n_steps=2", "trainer.eval_every_n_steps=0",
               "trainer.mtp.draft_in_rollouts=false"]
     runs = {}

@@ -115,3 +115,52 @@ def test_resume_never_refuses_to_overwrite_a_run(tmp_path):
     with pytest.raises(ConfigError, match="trainer.run_dir.*resume=never"):
         check_run_dir(cfg)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from skyrl_mtp.models.tiny import build_tokenizer
+
+    return build_tokenizer(512, 0)
+
+
+def _rows_file(tmp_path, rows):
+    p = tmp_path / "train.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+GOOD = {"prompt": [{"role": "user", "content": "What is 1+2?"}], "reward_model": {"ground_truth": "3"}}
+
+
+def test_malformed_rows_are_a_clear_error_or_skipped_and_counted(tmp_path, tokenizer, capsys):
+    from skyrl_mtp.config import ConfigError, load_config
+    from skyrl_mtp.trainer.launch import load_examples
+
+    path = _rows_file(tmp_path, [GOOD, {"prompt": "not a list", "reward_model": {"ground_truth": "1"}}, GOOD])
+    cfg = load_config(["recipe=tiny_dapo"])
+    with pytest.raises(ConfigError, match=r"data.train_files\[0\].*row 1: field 'prompt'"):
+        load_examples(cfg, [path], tokenizer, "train")
+    cfg = load_config(["recipe=tiny_dapo", "data.skip_malformed=true"])
+    assert len(load_examples(cfg, [path], tokenizer, "train")) == 2
+    assert "skipped 1 malformed rows" in capsys.readouterr().err
+
+
+def test_overlong_prompts_are_dropped_and_an_empty_result_is_an_error(tmp_path, tokenizer):
+    from skyrl_mtp.config import ConfigError, load_config
+    from skyrl_mtp.trainer.launch import load_examples
+
+    long = {**GOOD, "prompt": [{"role": "user", "content": "9 " * 200}]}
+    path = _rows_file(tmp_path, [GOOD, long])
+    cfg = load_config(["recipe=tiny_dapo"])
+    assert len(load_examples(cfg, [path], tokenizer, "train")) == 1
+    with pytest.raises(ConfigError, match="no usable rows"):
+        load_examples(cfg, [_rows_file(tmp_path, [long])], tokenizer, "train")
+
+
+def test_missing_data_file_fails_before_anything_starts(tmp_path, capsys):
+    from skyrl_mtp.main import main
+
+    missing = tmp_path / "nope.parquet"
+    assert main(["recipe=tiny_dapo", "data.synthetic=null", f"data.train_files=[{missing}]"]) == 2
+    assert f"data.train_files[0]='{missing}' is invalid: path does not exist" in capsys.readouterr().err

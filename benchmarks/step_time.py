@@ -1,0 +1,83 @@
+"""RL step time on the tiny default, split into generate / reward / train / sync, for three set-ups:
+
+- spec_mtp_train: MTP speculative decoding with the draft head trained (the product),
+- spec_no_train:  speculative decoding with the draft loss weight 0 (the head never improves),
+- no_spec:        no speculative decoding, no head training (trainer.mtp.enabled=false).
+
+Each set-up is one real run of the CLI (Ray, vLLM, Megatron) with the same seeds and data; the
+warm start is cached so only the first run pays for it. Means are over steps after the first
+(`--skip`), and ratios are taken against no_spec from the same invocation.
+
+    python benchmarks/step_time.py [--steps 12] [--json OUT] [override ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SETUPS = {
+    "spec_mtp_train": [],
+    "spec_no_train": ["trainer.mtp.loss_weight=0.0"],
+    "no_spec": ["trainer.mtp.enabled=false"],
+}
+PHASES = ("generate", "reward", "old_logprobs", "train", "sync", "step")
+
+
+def run_setup(name: str, extra: list[str], steps: int, out: Path, overrides: list[str]) -> list[dict]:
+    run_dir = out / name
+    args = [sys.executable, "-m", "skyrl_mtp.main", "recipe=tiny_dapo", f"trainer.run_dir={run_dir}",
+            f"trainer.total_steps={steps}", "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0",
+            "trainer.progress_bar=false", "logger.plots=false", *extra, *overrides]
+    proc = subprocess.run(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                          capture_output=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarize(rows: list[dict], skip: int) -> dict[str, float]:
+    rows = [r for r in rows if r["step"] > skip] or rows
+    out = {p: sum(r.get(f"timing/{p}_s", 0.0) for r in rows) / len(rows) for p in PHASES}
+    out["acceptance"] = sum(r.get("rollout/train/draft_acceptance_rate", 0.0) for r in rows) / len(rows)
+    out["tokens_per_s"] = sum(r.get("rollout/train/tokens_per_s", 0.0) for r in rows) / len(rows)
+    out["reward"] = sum(r.get("reward/mean", 0.0) for r in rows) / len(rows)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=2, help="steps excluded from the means (the head is still untrained)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every set-up")
+    a = ap.parse_args(argv)
+    if a.steps <= a.skip:
+        ap.error(f"--steps={a.steps} must be greater than --skip={a.skip}")
+    with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
+        results = {name: summarize(run_setup(name, extra, a.steps, Path(tmp), a.overrides), a.skip)
+                   for name, extra in SETUPS.items()}
+    base = results["no_spec"]
+    header = f"{'setup':<16}" + "".join(f"{p + '_s':>14}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
+    print(header)
+    rows = []
+    for name, r in results.items():
+        gen_ratio, step_ratio = r["generate"] / base["generate"], r["step"] / base["step"]
+        print(f"{name:<16}" + "".join(f"{r[p]:>14.3f}" for p in PHASES)
+              + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{gen_ratio:>13.2f}{step_ratio:>14.2f}")
+        rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
+                     "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],
+                     "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio})
+    if a.json:
+        a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
