@@ -24,6 +24,7 @@ from skyrl_mtp.rollout.weight_sync import (
     NcclGroupLayout,
     WeightSchema,
     describe_tensors,
+    drafter_subset,
     nccl_group_layout,
     serialize_weights,
     validate_update,
@@ -158,7 +159,11 @@ class EngineClient:
         if not isinstance(named_tensors, Mapping) or not named_tensors:
             raise ValueError(f"named_tensors must be a non-empty dict of HF name -> tensor, got "
                              f"{type(named_tensors).__name__}")
-        validate_update(describe_tensors(named_tensors), self.schema, self.cfg.dtype)
+        validate_update(describe_tensors(named_tensors), self.schema, self.cfg.dtype, self._optional_names())
+
+    def _optional_names(self) -> list[str]:
+        """Without a drafter the engine does not serve the MTP head: a policy that has none may omit it."""
+        return drafter_subset(list(self.schema)) if self.cfg.num_speculative_tokens == 0 else []
 
     def sync_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Reload main model AND MTP drafter on every engine, then reset their prefix caches (CPU path).
@@ -190,7 +195,8 @@ class EngineClient:
         `send()` makes rank 0 broadcast them; then main model and drafter are reloaded and caches reset."""
         import ray
 
-        validate_update({name: (tuple(shape), dtype) for name, shape, dtype in plan}, self.schema, self.cfg.dtype)
+        validate_update({name: (tuple(shape), dtype) for name, shape, dtype in plan}, self.schema, self.cfg.dtype,
+                        self._optional_names())
         t0 = time.perf_counter()
         refs = [a.receive_weights_nccl.remote(plan) for a in self._actors]
         send()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,19 +78,20 @@ def read_weight_schema(model_path: str | Path) -> WeightSchema:
 
 
 def validate_update(shapes_dtypes: Mapping[str, tuple[tuple[int, ...], str]], schema: WeightSchema,
-                    engine_dtype: str) -> None:
+                    engine_dtype: str, optional: Collection[str] = ()) -> None:
     """Check a full weight update (name -> (shape, dtype name)) against the engine's schema.
 
-    Every name of the schema must be present (a partial update would leave layers half-loaded),
-    no other name may appear, shapes must match exactly and the dtype must be the checkpoint's or
-    the engine's own dtype. Raises WeightSyncError listing what is wrong.
+    Every name of the schema must be present (a partial update would leave layers half-loaded)
+    except those in `optional` (the MTP head's, when the engine serves no drafter), no other name
+    may appear, shapes must match exactly and the dtype must be the checkpoint's or the engine's
+    own dtype. Raises WeightSyncError listing what is wrong.
     """
     problems: list[str] = []
     unknown = sorted(set(shapes_dtypes) - set(schema))
     if unknown:
         problems.append(f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
                         f"(the engine's weights are HF names such as {sorted(schema)[:3]})")
-    missing = sorted(set(schema) - set(shapes_dtypes))
+    missing = sorted(set(schema) - set(shapes_dtypes) - set(optional))
     if missing:
         problems.append(f"missing weight names {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                         f"({len(missing)} of {len(schema)}; a sync must carry every weight, main model and MTP head)")

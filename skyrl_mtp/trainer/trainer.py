@@ -63,6 +63,8 @@ class RLTrainer:
         self.loss_kwargs = {"eps_clip_low": float(algo.eps_clip_low), "eps_clip_high": float(algo.eps_clip_high),
                             "dual_clip_c": None if algo.dual_clip_c is None else float(algo.dual_clip_c),
                             "loss_reduction": str(algo.loss_reduction)}
+        if algo.policy_loss_type == "ppo":   # PPO's clip is DAPO's with a symmetric range
+            self.loss_kwargs["eps_clip_high"] = self.loss_kwargs["eps_clip_low"]
 
     # ------------------------------------------------------------------ lifecycle
     def resume_if_possible(self) -> int:
@@ -214,8 +216,8 @@ class RLTrainer:
         metrics["rollout/response_length_mean"] = sum(
             len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
         with timer.phase("train"):
-            parts = [self.policy.train_step(b, policy_loss=self.cfg.algorithm.policy_loss_type,
-                                            policy_loss_kwargs=self.loss_kwargs) for b in batches]
+            parts = [self.policy.train_step(b, policy_loss="dapo", policy_loss_kwargs=self.loss_kwargs)
+                     for b in batches]
         metrics.update(mean_metrics(parts))
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))

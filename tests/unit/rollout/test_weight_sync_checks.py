@@ -107,3 +107,16 @@ def test_completion_to_output_picks_sampled_token_logprob():
     C.logprobs = None
     with pytest.raises(RuntimeError, match="logprob"):
         completion_to_output(C())
+
+
+def test_optional_names_may_be_missing_but_nothing_else():
+    from skyrl_mtp.rollout.weight_sync import TensorSpec, WeightSyncError, validate_update
+
+    schema = {"model.norm.weight": TensorSpec((4,), "float32"), "model.mtp_layers.0.x": TensorSpec((4,), "float32")}
+    main_only = {"model.norm.weight": ((4,), "float32")}
+    validate_update(main_only, schema, "float32", optional=["model.mtp_layers.0.x"])
+    with pytest.raises(WeightSyncError, match="missing weight names \\['model.mtp_layers.0.x'\\]"):
+        validate_update(main_only, schema, "float32")
+    with pytest.raises(WeightSyncError, match="missing weight names \\['model.norm.weight'\\]"):
+        validate_update({"model.mtp_layers.0.x": ((4,), "float32")}, schema, "float32",
+                        optional=["model.mtp_layers.0.x"])
