@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: summarize(run_setup(name, extra, a.steps, Path(tmp), a.overrides), a.skip)
                    for name, extra in SETUPS.items()}
     base = results["no_spec"]
-    header = f"{'setup':<16}" + "".join(f"{p + '_s':>14}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
+    header = f"{'setup':<16}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
     print(header)
     rows = []
     for name, r in results.items():
         gen_ratio, step_ratio = r["generate"] / base["generate"], r["step"] / base["step"]
-        print(f"{name:<16}" + "".join(f"{r[p]:>14.3f}" for p in PHASES)
+        print(f"{name:<16}" + "".join(f"{r[p]:>16.3f}" for p in PHASES)
               + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{gen_ratio:>13.2f}{step_ratio:>14.2f}")
         rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
                      "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],
