@@ -26,10 +26,12 @@ class GroupAccumulator:
     """Collects kept groups over generation rounds until `target_groups` are kept or `max_rounds` are used.
 
     `add_round(groups, rewards_per_group)` takes a list of opaque group payloads with their reward lists.
+    With `keep_all=True` (dynamic sampling off) every group is kept: one round fills the batch.
     """
 
     target_groups: int
     max_rounds: int
+    keep_all: bool = False
     kept: list[Any] = field(default_factory=list)
     rounds_used: int = 0
     groups_dropped: int = 0
@@ -47,7 +49,7 @@ class GroupAccumulator:
             raise RuntimeError("accumulator is done; call take() before adding rounds")
         self.rounds_used += 1
         for g, rs in zip(groups, rewards_per_group):
-            if len(rs) > 0 and max(rs) > min(rs):
+            if self.keep_all or (len(rs) > 0 and max(rs) > min(rs)):
                 self.kept.append(g)
             else:
                 self.groups_dropped += 1

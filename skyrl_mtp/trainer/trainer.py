@@ -111,7 +111,8 @@ class RLTrainer:
         n = cfg.generator.n_samples_per_prompt
         ds = cfg.algorithm.dynamic_sampling
         target = self.data.batch_size
-        acc = GroupAccumulator(target_groups=target, max_rounds=ds.max_gen_rounds if ds.enabled else 1)
+        acc = GroupAccumulator(target_groups=target, max_rounds=ds.max_gen_rounds if ds.enabled else 1,
+                               keep_all=not ds.enabled)
         all_groups: list[RolloutGroup] = []
         env_metrics: list[dict[str, float]] = []
         window = self.engines.metrics
@@ -128,11 +129,7 @@ class RLTrainer:
                     self._shape_rewards(groups)
                 env_metrics.append(m)
                 all_groups += groups
-                if ds.enabled:
-                    acc.add_round(groups, [g.rewards for g in groups])
-                else:
-                    acc.rounds_used += 1
-                    acc.kept += groups
+                acc.add_round(groups, [g.rewards for g in groups])
                 if not acc.done:
                     window.resume()
         finally:

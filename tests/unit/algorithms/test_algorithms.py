@@ -117,3 +117,11 @@ def test_overlong():
     assert torch.allclose(p, torch.tensor([0.0, 0.0, -1.0, -2.0, -2.0]))
     with pytest.raises(ValueError, match="buffer_len"):
         soft_overlong_penalty(torch.tensor([1]), 8, 0)
+
+
+def test_accumulator_keep_all_fills_in_one_round_without_dropping():
+    acc = GroupAccumulator(target_groups=2, max_rounds=1, keep_all=True)
+    acc.add_round(["a", "b", "c"], [[1, 1], [0, 0], [0, 1]])
+    assert acc.done and acc.groups_dropped == 0
+    assert acc.stats()["dynamic_sampling/groups_kept"] == 3.0
+    assert acc.take() == ["a", "b"]
