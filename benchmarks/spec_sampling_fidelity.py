@@ -17,7 +17,11 @@ and without spec decode, for an oracle, a partly-right and a random MTP head, k 
   the first equals `a`, the most likely successor of the prompt's last token (coarse bins);
 - acceptance / expected_acceptance: vLLM's accepted / draft tokens, and its expectation
   sum_v min(p_v, q_v) per draft (q is one-hot on the greedy draft, so it is p(draft)), chained over draft
-  positions and averaged over the verification steps actually taken (reconstructed from the outputs).
+  positions and averaged over the verification steps actually taken (reconstructed from the outputs);
+- identical_to_nospec: the fraction of sequences token-for-token equal to the no-spec engine's with the
+  same seed. With the project's draft-invariant coupling (--coupling invariant, the default,
+  skyrl_mtp/rollout/draft_invariant_sampling.py) it is 1: spec decode changes the speed, not the
+  tokens. With vLLM's own coupling (--coupling vllm) it is well below 1 although the law is the same.
 
 The target is a bigram model (skyrl_mtp.models.tiny: trunk blocks zeroed, untied lm_head), so
 p(next | prefix) = softmax(lm_head @ rmsnorm(embed[last])) exactly, and each head's greedy draft is a
@@ -28,7 +32,8 @@ projection replaced by a seeded Gaussian matrix (same target, a head that knows 
 Usage (a quick run, one head and k, both fix settings, takes a few minutes on 2 cores):
   python benchmarks/spec_sampling_fidelity.py --heads oracle --ks 2 --fix both --samples 4000 --json out.json
 Each vLLM engine gets worker_extension_cls=skyrl_mtp.rollout.worker_extension.WeightSyncExtension (which
-applies the fix inside vLLM's worker process) and SKYRL_MTP_CPU_SAMPLING_FIX=1/0 for --fix on/off.
+applies the fix inside vLLM's worker process) and SKYRL_MTP_CPU_SAMPLING_FIX=1/0 for --fix on/off,
+SKYRL_MTP_DRAFT_INVARIANT_SAMPLING=1/0 for --coupling invariant/vllm.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ from safetensors.torch import load_file, save_file
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
 FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
+COUPLING_ENV = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
+COUPLINGS = {"invariant": "1", "vllm": "0"}
 HEADS = ("oracle", "partial", "random")
 PROMPT_TEXT = "the answer is"
 MIN_EXPECTED_PER_BIN = 5.0
 MIN_EXPECTED_PER_TV_BIN = 50.0
-ROW_KEYS = ("head", "k", "temperature", "top_p", "fix", "loglik_spec", "loglik_nospec", "tv_distance", "p_value",
+ROW_KEYS = ("head", "k", "temperature", "top_p", "fix", "coupling", "identical_to_nospec", "loglik_spec", "loglik_nospec", "tv_distance", "p_value",
             "acceptance", "expected_acceptance")
 
 
@@ -238,10 +245,11 @@ def expected_acceptance(outputs: list[list[int]], model: BigramModel, probs: tor
 
 # ---------------------------------------------------------------------------------------------- vLLM
 
-def make_llm(path: Path, k: int, fix: bool, max_num_seqs: int, seed: int):
+def make_llm(path: Path, k: int, fix: bool, max_num_seqs: int, seed: int, coupling: str = "invariant"):
     from vllm import LLM
 
     os.environ[FIX_ENV] = "1" if fix else "0"   # inherited by vLLM's spawned EngineCore and worker
+    os.environ[COUPLING_ENV] = COUPLINGS[coupling]
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     return LLM(model=str(path), tokenizer=str(path), speculative_config=spec, max_model_len=128,
                max_num_seqs=max_num_seqs, kv_cache_memory_bytes=64 * 2**20, enforce_eager=True,
@@ -295,6 +303,7 @@ def run(args) -> list[dict]:
     ks = [int(k) for k in args.ks.split(",")]
     settings = parse_settings(args.settings)
     fixes = {"on": [True], "off": [False], "both": [True, False]}[args.fix]
+    couplings = ["invariant", "vllm"] if args.coupling == "both" else [args.coupling]
     ckpts = build_checkpoints(work, heads, args.model_seed)
     models = {h: BigramModel.from_checkpoint(ckpts[h]) for h in heads}
     oracle = BigramModel.from_checkpoint(ckpts["oracle"])
@@ -320,8 +329,8 @@ def run(args) -> list[dict]:
     rows = []
     for head in heads:
         for k in ks:
-            for fix in fixes:
-                llm = make_llm(ckpts[head], k, fix, args.max_num_seqs, args.seed)
+            for fix, coupling in [(f, c) for f in fixes for c in couplings]:
+                llm = make_llm(ckpts[head], k, fix, args.max_num_seqs, args.seed, coupling)
                 spec = sample_all(llm)
                 close_llm(llm)
                 for (temp, top_p), (outs, delta, secs) in spec.items():
@@ -335,6 +344,8 @@ def run(args) -> list[dict]:
                     drafts = max(delta.num_drafts, 1.0)
                     rows.append({
                         "head": head, "k": k, "temperature": temp, "top_p": top_p, "fix": fix,
+                        "coupling": coupling,
+                        "identical_to_nospec": sum(o == r for o, r in zip(outs, ref_outs)) / max(len(outs), 1),
                         "loglik_spec": mean_loglik(outs, prompt[-1], logp),
                         "loglik_nospec": mean_loglik(ref_outs, prompt[-1], logp),
                         "tv_distance": tv, "p_value": pval,
@@ -354,6 +365,7 @@ def run(args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     cols = [("head", "{}"), ("k", "{}"), ("temperature", "{:.2f}"), ("top_p", "{:.2f}"), ("fix", "{}"),
+            ("coupling", "{}"), ("identical_to_nospec", "{:.3f}"),
             ("loglik_spec", "{:.3f}"), ("loglik_nospec", "{:.3f}"), ("tv_distance", "{:.4f}"),
             ("p_value", "{:.3g}"), ("acceptance", "{:.4f}"), ("expected_acceptance", "{:.4f}"),
             ("acceptance_first_pos", "{:.4f}"), ("expected_first_pos", "{:.4f}")]
@@ -370,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "replayed steps, sample counts, timings) here")
     ap.add_argument("--fix", choices=("on", "off", "both"), default="both",
                     help="spec engines with the CPU sampling fix on, off, or one of each")
+    ap.add_argument("--coupling", choices=("invariant", "vllm", "both"), default="invariant",
+                    help="rejection-sampling coupling of the spec engines: position-keyed (draft-invariant, the "
+                         "project's default) or vLLM's own; same law, different tokens per seed")
     ap.add_argument("--heads", default=",".join(HEADS), help="comma list of oracle,partial,random")
     ap.add_argument("--ks", default="1,2,3", help="comma list of num_speculative_tokens")
     ap.add_argument("--settings", default="1.0:1.0,0.7:1.0,1.0:0.9", help="comma list of temperature:top_p")

@@ -33,8 +33,8 @@ class MTPConfig:
     loss_type: str = "soft_ce"
     loss_weight: float = 1.0
     # false: train the head but roll out without speculative decoding (e.g. to warm the head up
-    # before drafting with it, or to compare policies bitwise: without drafts, seeded rollouts are
-    # a function of the policy alone).
+    # before drafting with it). Bitwise comparisons do not need it on CPU: with
+    # generator.draft_invariant_sampling seeded rollouts are a function of the policy alone anyway.
     draft_in_rollouts: bool = True
 
 
@@ -145,6 +145,9 @@ class GeneratorConfig:
     enforce_eager: bool = True
     dtype: str = "float32"
     cpu_sampling_fix: bool = True
+    # CPU: a request's t-th token is sampled with noise keyed to t, whatever was drafted, so seeded
+    # rollouts do not depend on the MTP head (acceptance law unchanged). See rollout/draft_invariant_sampling.py.
+    draft_invariant_sampling: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

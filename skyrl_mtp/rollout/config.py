@@ -41,6 +41,8 @@ class EngineConfig:
 
     num_speculative_tokens: 0 = no speculative decoding; k >= 1 = MTP drafting of k tokens
     ({"method": "mtp", "num_speculative_tokens": k}); the checkpoint must have MTP layers.
+    draft_invariant_sampling: on CPU, sample a request's t-th token with noise keyed to t whatever was
+    drafted (skyrl_mtp.rollout.draft_invariant_sampling): seeded spec rollouts equal non-spec ones.
     engine_kwargs: extra `vllm` engine arguments, merged into the managed ones (no overrides).
     """
 
@@ -55,6 +57,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     cpu_sampling_fix: bool = True
+    draft_invariant_sampling: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class EngineConfig:
             raise _bad("dtype", self.dtype, f"one of {DTYPES}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "an int")
-        for name in ("enforce_eager", "cpu_sampling_fix"):
+        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         if not isinstance(self.engine_kwargs, dict):

@@ -21,6 +21,7 @@ from skyrl_mtp.rollout.weight_sync import WeightSchema, read_weight_schema
 
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
 CPU_SAMPLING_FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
+DRAFT_INVARIANT_SAMPLING_ENV = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
 
 
 def engine_environment(cfg: EngineConfig, engine_index: int, cpu_count: int | None) -> dict[str, str]:
@@ -29,7 +30,8 @@ def engine_environment(cfg: EngineConfig, engine_index: int, cpu_count: int | No
     On CPU each engine's worker is pinned to its own core (vLLM's "auto" binding pins every engine's
     worker to core 0), unless the user set VLLM_CPU_OMP_THREADS_BIND.
     """
-    env = {CPU_SAMPLING_FIX_ENV: "1" if cfg.cpu_sampling_fix else "0"}
+    env = {CPU_SAMPLING_FIX_ENV: "1" if cfg.cpu_sampling_fix else "0",
+           DRAFT_INVARIANT_SAMPLING_ENV: "1" if cfg.draft_invariant_sampling else "0"}
     if cfg.num_engines > 1 and cpu_count and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(engine_index % cpu_count)
     return env
@@ -104,6 +106,7 @@ class InferenceEngine:
         return {"engine_index": self.engine_index, "schema": self.schema, "pid": os.getpid(),
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
+                "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}
 
     async def generate(self, prompts: list[list[int]], spec: SamplingSpec,

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from skyrl_mtp.rollout import draft_invariant_sampling
 from skyrl_mtp.rollout.cpu_sampling_fix import apply_if_needed
 from skyrl_mtp.rollout.weight_sync import deserialize_weights, drafter_subset, torch_dtype
 
@@ -27,6 +28,11 @@ from skyrl_mtp.rollout.weight_sync import deserialize_weights, drafter_subset, t
 CPU_SAMPLING_FIX_STATUS = "not_cpu"
 if not torch.cuda.is_available():  # imported in vLLM's worker process: fix its CPU spec-decode sampling there
     CPU_SAMPLING_FIX_STATUS = apply_if_needed(os.environ.get("SKYRL_MTP_CPU_SAMPLING_FIX", "1") != "0")
+# Same place, same reason: the rejection sampler runs here. Set from EngineConfig.draft_invariant_sampling.
+DRAFT_INVARIANT_SAMPLING_STATUS = "not_cpu"
+if not torch.cuda.is_available():
+    DRAFT_INVARIANT_SAMPLING_STATUS = draft_invariant_sampling.apply_if_enabled(
+        os.environ.get(draft_invariant_sampling.ENV_VAR, "1") != "0")
 
 _MAIN_RELOAD_PARAMS = ("weights_iterator", "weights_path", "is_checkpoint_format")
 _INPLACE_RELOAD_PARAMS = ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format")
@@ -63,7 +69,8 @@ class WeightSyncExtension:
         _require_params(runner.reload_weights, _MAIN_RELOAD_PARAMS, f"{type(runner).__name__}.reload_weights")
         _require_params(_inplace_reload(), _INPLACE_RELOAD_PARAMS, "reload.inplace.reload_weights")
         return {"runner": type(runner).__name__, "has_drafter": runner.get_draft_model() is not None,
-                "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS}
+                "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
+                "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS}
 
     def _skyrl_reload(self, main_weights: Iterator[tuple[str, torch.Tensor]],
                       drafter_weights: list[tuple[str, torch.Tensor]]) -> None:

@@ -1,4 +1,8 @@
-"""PNG plots of a run's metrics.jsonl (reward, per-position acceptance, acceptance length, losses)."""
+"""PNG plots of a run's metrics.jsonl (reward, per-position acceptance, acceptance length, losses).
+
+Per-step RL metrics are noisy (a few prompts per step), so a series with more than SMOOTH_MIN_POINTS
+points is drawn faintly with its trailing moving average on top.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,26 @@ import matplotlib.pyplot as plt  # noqa: E402
 from skyrl_mtp.tracking.tracker import read_metrics  # noqa: E402
 
 PLOTS = {
-    "reward.png": re.compile(r"^reward/mean$"),
+    "reward.png": re.compile(r"^(eval/)?reward/mean$"),
     "acceptance_per_position.png": re.compile(r"acceptance.*pos"),
     "mean_acceptance_length.png": re.compile(r"acceptance_length"),
     "losses.png": re.compile(r"loss$"),
 }
+
+
+SMOOTH_MIN_POINTS = 20
+SMOOTH_WINDOW = 10
+
+
+def moving_average(ys: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` points (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -39,7 +58,12 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for k in sel:
             xs, ys = _series(rows, k)
-            ax.plot(xs, ys, marker="o", label=k)
+            if len(xs) > SMOOTH_MIN_POINTS:
+                line, = ax.plot(xs, ys, alpha=0.3, linewidth=1)
+                ax.plot(xs, moving_average(ys, SMOOTH_WINDOW), color=line.get_color(),
+                        label=f"{k} ({SMOOTH_WINDOW}-step mean)")
+            else:
+                ax.plot(xs, ys, marker="o", label=k)
         ax.set_xlabel("step")
         ax.set_title(name.removesuffix(".png").replace("_", " "))
         ax.legend(fontsize=7)

@@ -1,4 +1,8 @@
-"""Final run summary: first / last / best value of key metrics from metrics.jsonl as a text table."""
+"""Final run summary: first / last / best value of key metrics from metrics.jsonl as a text table.
+
+Single steps are noisy, so the table also gives the mean over the first and the last tenth of the
+points of each metric (at least one point): that is where a trend shows.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ from pathlib import Path
 
 from skyrl_mtp.tracking.tracker import read_metrics
 
-DEFAULT_KEYS = ("reward/mean", "policy/loss", "mtp/loss")
+DEFAULT_KEYS = ("reward/mean", "eval/reward/mean", "policy/loss", "mtp/loss")
 
 
 def summarize(metrics_path: str | Path, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
-    """{key: {first, last, best, best_step}}; best = max for reward/acceptance keys, min otherwise."""
+    """{key: {first, last, best, best_step, head_mean, tail_mean}}; best = max for reward/acceptance keys, min
+    otherwise; head_mean / tail_mean = mean of the first / last max(1, n // 10) points."""
     rows = read_metrics(metrics_path)
     if keys is None:
         keys = tuple(sorted({k for r in rows for k in r if k != "step" and ("acceptance" in k or k in DEFAULT_KEYS)}))
@@ -21,13 +26,18 @@ def summarize(metrics_path: str | Path, keys: tuple[str, ...] | None = None) -> 
             continue
         higher = "reward" in k or "acceptance" in k or "agree" in k
         best = (max if higher else min)(pts, key=lambda p: p[1])
-        out[k] = {"first": pts[0][1], "last": pts[-1][1], "best": best[1], "best_step": float(best[0])}
+        tenth = max(1, len(pts) // 10)
+        out[k] = {"first": pts[0][1], "last": pts[-1][1], "best": best[1], "best_step": float(best[0]),
+                  "head_mean": sum(p[1] for p in pts[:tenth]) / tenth,
+                  "tail_mean": sum(p[1] for p in pts[-tenth:]) / tenth}
     return out
 
 
 def format_summary(summary: dict[str, dict[str, float]]) -> str:
     w = max([len(k) for k in summary] + [6])
-    lines = [f"{'metric':<{w}}  {'first':>10}  {'last':>10}  {'best':>10}  {'step':>5}"]
+    lines = [f"{'metric':<{w}}  {'first':>10}  {'last':>10}  {'first 10%':>10}  {'last 10%':>10}  {'best':>10}  "
+             f"{'step':>5}"]
     for k, s in summary.items():
-        lines.append(f"{k:<{w}}  {s['first']:>10.4g}  {s['last']:>10.4g}  {s['best']:>10.4g}  {int(s['best_step']):>5}")
+        lines.append(f"{k:<{w}}  {s['first']:>10.4g}  {s['last']:>10.4g}  {s['head_mean']:>10.4g}  "
+                     f"{s['tail_mean']:>10.4g}  {s['best']:>10.4g}  {int(s['best_step']):>5}")
     return "\n".join(lines)

@@ -159,6 +159,7 @@ def engine_config(cfg: DictConfig, model_path: Path):
                                 if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts else 0),
         max_model_len=g.max_model_len, max_num_seqs=g.max_num_seqs, kv_cache_memory_bytes=g.kv_cache_memory_mb * 2**20,
         enforce_eager=g.enforce_eager, dtype=g.dtype, seed=cfg.trainer.seed, cpu_sampling_fix=g.cpu_sampling_fix,
+        draft_invariant_sampling=g.draft_invariant_sampling,
         engine_kwargs=OmegaConf.to_container(g.engine_kwargs, resolve=True))
 
 

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 24
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS)
+SAMPLED = SamplingSpec(temperature=1.0, max_tokens=MAX_TOKENS, seed=123)   # seeds 123 + prompt index
 
 
 def _prompts() -> list[list[int]]:
@@ -81,8 +82,10 @@ def refs(engine_pool, random_ckpt):
     ref: dict[str, list] = {}
     ref["oracle"], ref["oracle_metrics"] = _run(nospec)
     ref["oracle_again"] = nospec.generate_sync(PROMPTS, GREEDY)
+    ref["oracle_sampled"] = nospec.generate_sync(PROMPTS, SAMPLED)
     nospec.sync_weights(_weights(random_ckpt))
     ref["random"] = nospec.generate_sync(PROMPTS, GREEDY)
+    ref["random_sampled"] = nospec.generate_sync(PROMPTS, SAMPLED)
     return ref
 
 
@@ -106,6 +109,20 @@ def test_k1_oracle_head_equals_no_spec_with_acceptance_one(engine_pool, refs):
     _assert_same(outs, refs["oracle"], "MTP k=1 (oracle head) vs no spec decoding")
     _assert_oracle_acceptance(m, 1)
     assert m["rollout/train/generated_tokens"] == sum(len(o.token_ids) for o in outs)
+
+
+def test_sampled_rollouts_do_not_depend_on_the_drafts(engine_pool, refs):
+    # Draft-invariant sampling (default on CPU): at T = 1 with per-request seeds the tokens equal the
+    # no-spec engine's, whether the head drafts well (oracle, k=1) or badly (random head, k=3).
+    outs, m = _run(engine_pool.get("k1"), sampling=SAMPLED)
+    _assert_same(outs, refs["oracle_sampled"], "T=1 seeded: MTP k=1 (oracle head) vs no spec decoding")
+    acc_oracle = _acceptance(m, 1)[0]
+    assert 0.3 < acc_oracle < 0.95, acc_oracle          # T=1: accepted with probability p(draft), not always
+    outs, m = _run(engine_pool.get("k3"), sampling=SAMPLED)
+    _assert_same(outs, refs["random_sampled"], "T=1 seeded: MTP k=3 (random head) vs no spec decoding")
+    assert max(_acceptance(m, 3)) < 0.2
+    assert engine_pool.get("k1").engine_infos[0]["draft_invariant_sampling"] == "installed"
+    assert len({tuple(o.token_ids) for o in outs}) == len(PROMPTS)
 
 
 def test_k3_random_head_equals_no_spec_with_acceptance_zero(engine_pool, refs):
@@ -268,3 +285,16 @@ def test_async_generate_sampling_n_and_stops(engine_pool, refs):
     assert out.finish_reason == "stop" and out.token_ids == first[: cut + 1]
     full = k2.generate_sync([PROMPTS[1]], SamplingSpec(temperature=0.0, max_tokens=5))[0]
     assert full.finish_reason == "length" and full.token_ids == first[:5]
+
+
+# ---- last: an engine with vLLM's own coupling (draft_invariant_sampling=False) -------------------
+
+def test_vllm_coupling_makes_sampled_tokens_depend_on_the_drafts(engine_pool, refs):
+    # The check above can fail: with vLLM's rejection sampler the same seeds give other tokens once
+    # drafts are accepted (same distribution, different coupling).
+    engine = engine_pool.get("k1_vllm_coupling")
+    assert engine.engine_infos[0]["draft_invariant_sampling"] == "disabled"
+    outs, m = _run(engine, sampling=SAMPLED)
+    assert _acceptance(m, 1)[0] > 0.3
+    same = sum(o.token_ids == r.token_ids for o, r in zip(outs, refs["oracle_sampled"]))
+    assert same < len(PROMPTS), "vLLM's coupling reproduced the no-spec tokens for every prompt"

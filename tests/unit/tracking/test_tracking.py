@@ -55,3 +55,49 @@ def test_plots_and_summary(tmp_path):
     assert s["policy/loss"]["best"] == 0.25 and s["policy/loss"]["best_step"] == 3
     table = format_summary(s)
     assert "reward/mean" in table and "spec/mean_acceptance_length" in table
+
+
+def test_moving_average_and_summary_tenths(tmp_path):
+    from skyrl_mtp.tracking.plots import moving_average
+
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([2.0], 10) == [2.0]
+    _run(tmp_path, range(30))                       # 30 points: smoothed plot, tenths of 3 points
+    paths = write_plots(tmp_path / "metrics.jsonl", tmp_path / "plots")
+    assert len(paths) == 4
+    s = summarize(tmp_path / "metrics.jsonl")
+    assert s["reward/mean"]["head_mean"] == pytest.approx(0.1)          # mean of 0.0, 0.1, 0.2
+    assert s["reward/mean"]["tail_mean"] == pytest.approx(2.8)          # mean of 2.7, 2.8, 2.9
+    assert "last 10%" in format_summary(s)
+
+
+def _fake_run(root, *, trunk_value=1.0, mtp_value=1.0, acceptance=0.5, reward=0.25):
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    rows = [{"step": s, "reward/mean": reward, "policy/loss": 0.1 * s, "mtp/loss": mtp_value,
+             "rollout/train/draft_acceptance_rate": acceptance, "timing/step_s": 0.1 * s + mtp_value}
+            for s in (1, 2)]
+    (root / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ck = root / "checkpoints" / "step_2"
+    (ck / "hf").mkdir(parents=True)
+    (ck / "COMPLETE").write_text("")
+    save_file({"model.layers.0.w": torch.full((2, 2), trunk_value),
+               "model.mtp_layers.0.w": torch.full((2,), mtp_value)}, str(ck / "hf" / "model.safetensors"))
+    return root
+
+
+def test_compare_policy_runs_ignores_the_head_and_catches_the_trunk(tmp_path):
+    from skyrl_mtp.tracking.compare import compare_policy_runs
+
+    base = _fake_run(tmp_path / "a")
+    head_only = _fake_run(tmp_path / "b", mtp_value=2.0, acceptance=0.9)
+    problems, summary = compare_policy_runs(base, head_only)
+    assert problems == [] and summary["trunk_tensors_compared"] == 1 and summary["checkpoint"] == "step_2"
+    trunk = _fake_run(tmp_path / "c", trunk_value=1.0 + 2**-20)
+    problems, _ = compare_policy_runs(base, trunk)
+    assert problems == ["step_2: model.layers.0.w differs"]
+    reward = _fake_run(tmp_path / "d", reward=0.5)
+    problems, _ = compare_policy_runs(base, reward)
+    assert len(problems) == 2 and all("reward/mean" in p for p in problems)

@@ -164,3 +164,15 @@ def test_missing_data_file_fails_before_anything_starts(tmp_path, capsys):
     missing = tmp_path / "nope.parquet"
     assert main(["recipe=tiny_dapo", "data.synthetic=null", f"data.train_files=[{missing}]"]) == 2
     assert f"data.train_files[0]='{missing}' is invalid: path does not exist" in capsys.readouterr().err
+
+
+def test_engine_config_carries_the_sampling_switches_from_the_generator_config(tmp_path):
+    from skyrl_mtp.config import load_config
+    from skyrl_mtp.trainer.launch import engine_config
+
+    default = engine_config(load_config(["recipe=tiny_dapo"]), tmp_path)
+    assert default.draft_invariant_sampling is True and default.cpu_sampling_fix is True
+    assert default.num_speculative_tokens == 2
+    off = engine_config(load_config(["recipe=tiny_dapo", "generator.draft_invariant_sampling=false",
+                                     "generator.cpu_sampling_fix=false"]), tmp_path)
+    assert off.draft_invariant_sampling is False and off.cpu_sampling_fix is False
