@@ -1,6 +1,9 @@
-"""RL step time on the tiny default, split into generate / reward / train / sync, for three set-ups:
+"""RL step time on the tiny default, split into generate / reward / train / sync, for four set-ups:
 
 - spec_mtp_train: MTP speculative decoding with the draft head trained (the product),
+- spec_vllm_coupling: the same with vLLM's own rejection-sampling coupling instead of the
+                  draft-invariant one (generator.draft_invariant_sampling=false): the price of the
+                  position-keyed sampler,
 - spec_no_train:  speculative decoding with the draft loss weight 0 (the head never improves),
 - no_spec:        no speculative decoding, no head training (trainer.mtp.enabled=false).
 
@@ -24,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SETUPS = {
     "spec_mtp_train": [],
+    "spec_vllm_coupling": ["generator.draft_invariant_sampling=false"],
     "spec_no_train": ["trainer.mtp.loss_weight=0.0"],
     "no_spec": ["trainer.mtp.enabled=false"],
 }
@@ -64,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: summarize(run_setup(name, extra, a.steps, Path(tmp), a.overrides), a.skip)
                    for name, extra in SETUPS.items()}
     base = results["no_spec"]
-    header = f"{'setup':<16}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
+    header = f"{'setup':<20}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
     print(header)
     rows = []
     for name, r in results.items():
         gen_ratio, step_ratio = r["generate"] / base["generate"], r["step"] / base["step"]
-        print(f"{name:<16}" + "".join(f"{r[p]:>16.3f}" for p in PHASES)
+        print(f"{name:<20}" + "".join(f"{r[p]:>16.3f}" for p in PHASES)
               + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{gen_ratio:>13.2f}{step_ratio:>14.2f}")
         rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
                      "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],

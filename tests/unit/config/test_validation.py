@@ -49,8 +49,9 @@ def test_impossible_parallel_layout():
 
 
 def test_batch_not_divisible_by_dp():
-    msg = _error("megatron.dp=3", "trainer.placement.policy_num_workers=3")
-    assert "trainer.train_batch_size=8 is invalid" in msg and "divisible by megatron.dp=3" in msg
+    msg = _error("megatron.dp=3", "trainer.placement.policy_num_workers=3", "trainer.train_batch_size=4",
+                 "generator.n_samples_per_prompt=4", "trainer.policy_mini_batch_size=2")
+    assert "trainer.train_batch_size=4 is invalid" in msg and "divisible by megatron.dp=3" in msg
 
 
 def test_unknown_key_lists_allowed_keys_and_suggests():
