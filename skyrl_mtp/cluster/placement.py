@@ -220,6 +220,28 @@ def actor_options(placement_group: Any, actor: ActorPlacement) -> dict[str, Any]
                 placement_group=placement_group, placement_group_bundle_index=actor.bundle_index)}
 
 
+def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Any:
+    """Create the plan's placement group and wait until Ray has reserved every bundle.
+
+    Raises PlacementError with the bundles when they are not all reserved within `timeout_s` (another
+    job holds the resources, or a node went away); the half-made group is removed first."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(list(plan.bundles), strategy=plan.strategy)
+    if not pg.wait(timeout_seconds=timeout_s):
+        remove_placement_group(pg)
+        raise PlacementError(f"the placement group of {len(plan.bundles)} bundles {list(plan.bundles)} "
+                             f"(strategy {plan.strategy}) was not reserved within {timeout_s:.0f}s; other jobs "
+                             "may hold those resources")
+    return pg
+
+
+def release(placement_group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(placement_group)
+
+
 def plan_for_running_cluster(cfg: Any) -> PlacementPlan:
     """`plan_placement` against the Ray session this process is connected to (call after ray.init)."""
     import ray

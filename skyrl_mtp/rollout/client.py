@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,8 +66,11 @@ class EngineClient:
 
     @classmethod
     def create(cls, cfg: EngineConfig, *, num_cpus_per_engine: float = 1, num_gpus_per_engine: float = 0,
-               actor_options: Mapping[str, Any] | None = None) -> EngineClient:
-        """Validate `cfg` against the checkpoint, start `cfg.num_engines` actors and wait until all serve."""
+               actor_options: Mapping[str, Any] | None = None,
+               per_engine_options: Sequence[Mapping[str, Any]] | None = None) -> EngineClient:
+        """Validate `cfg` against the checkpoint, start `cfg.num_engines` actors and wait until all serve.
+
+        `per_engine_options[i]` (e.g. engine i's placement-group bundle) goes on top of `actor_options`."""
         import ray
 
         if not isinstance(cfg, EngineConfig):
@@ -77,9 +80,13 @@ class EngineClient:
             check_engine_kwargs_known(cfg.engine_kwargs, known_engine_args())
         if not ray.is_initialized():
             raise RuntimeError("EngineClient.create needs a running Ray session (ray.init first)")
+        if per_engine_options is not None and len(per_engine_options) != cfg.num_engines:
+            raise ValueError(f"per_engine_options has {len(per_engine_options)} entries for "
+                             f"num_engines={cfg.num_engines}; give one per engine")
         options = {"num_cpus": num_cpus_per_engine, "num_gpus": num_gpus_per_engine, **(actor_options or {})}
         actor_cls = ray.remote(InferenceEngine)
-        actors = [actor_cls.options(**options).remote(cfg, i) for i in range(cfg.num_engines)]
+        actors = [actor_cls.options(**{**options, **(per_engine_options[i] if per_engine_options else {})}).remote(cfg, i)
+                  for i in range(cfg.num_engines)]
         try:
             infos = ray.get([a.ready.remote() for a in actors])
         except BaseException:

@@ -40,8 +40,7 @@ def resolve_model(cfg: DictConfig, cache: Path) -> Path:
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
 
     t = cfg.model.tiny
-    spec = TinyModelSpec(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads,
-                         intermediate=t.intermediate, vocab=t.vocab, mtp_layers=t.mtp_layers, seed=t.seed)
+    spec = TinyModelSpec(**{k: v for k, v in OmegaConf.to_container(t, resolve=True).items() if k != "cache_dir"})
     root = Path(t.cache_dir) if t.cache_dir else cache / "models"
     path = cached_tiny_checkpoint(root, spec)
     log(f"tiny model: {path}")
@@ -252,16 +251,17 @@ def _run(cfg: DictConfig) -> int:
     run_dir.create(cfg)
 
     start_ray(cfg)
-    engines = policy = env = tracker = None
+    engines = policy = env = tracker = placement_group = None
     try:
-        from skyrl_mtp.cluster.placement import plan_for_running_cluster
+        from skyrl_mtp.cluster.placement import plan_for_running_cluster, release, reserve
 
         plan = plan_for_running_cluster(cfg)   # a cluster too small fails here, before any actor starts
         log(plan.describe())
         model_path = base_model
         if cfg.trainer.warm_start.enabled:
             model_path = _warm_start(cfg, base_model, data, tokenizer, cache)
-        engines, policy = _start_workers(cfg, model_path, plan)
+        placement_group = reserve(plan)
+        engines, policy = _start_workers(cfg, model_path, plan, placement_group)
         env = build_environment(cfg, engines, tokenizer, data)
         from skyrl_mtp.trainer.trainer import RLTrainer
 
@@ -272,7 +272,7 @@ def _run(cfg: DictConfig) -> int:
                           run_name=cfg.logger.run_name, config=OmegaConf.to_container(cfg, resolve=True),
                           resume_step=resumed, stream=sys.stderr)
         trainer.tracker = tracker
-        _write_run_info(run_dir, cfg, model_path, engines, policy)
+        _write_run_info(run_dir, cfg, model_path, engines, policy, plan, placement_group)
         if resumed:
             trainer.sync_weights()
         elif cfg.trainer.eval_every_n_steps and val:
@@ -287,6 +287,8 @@ def _run(cfg: DictConfig) -> int:
             engines.shutdown()
         if policy is not None:
             policy.shutdown()
+        if placement_group is not None:
+            release(placement_group)
         if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
             ray.shutdown()
     _finish(cfg, run_dir)
@@ -295,8 +297,8 @@ def _run(cfg: DictConfig) -> int:
 
 
 def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokenizer: Any, cache: Path) -> Path:
+    from skyrl_mtp.net import free_port
     from skyrl_mtp.policy.worker import PolicyWorker
-    from skyrl_mtp.trainer.policy_group import free_port
     from skyrl_mtp.trainer.warm_start import WarmStartPlan, warm_start
 
     ws = cfg.trainer.warm_start
@@ -320,21 +322,23 @@ def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokeni
                       tokenizer.pad_token_id, start_worker, log=log)
 
 
-def _start_workers(cfg: DictConfig, model_path: Path, plan: Any):
-    """Engines and policy ranks with the plan's per-actor resources (a colocated engine takes 0 GPUs:
-    Ray accounts its GPUs to the policy ranks that share them)."""
+def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group: Any):
+    """Engines and policy ranks, each in its bundle of the plan's placement group with the plan's
+    per-actor resources (a colocated engine takes 0 GPUs: Ray accounts its GPUs to the policy ranks
+    that share them)."""
+    from skyrl_mtp.cluster.placement import actor_options
     from skyrl_mtp.rollout.client import EngineClient
     from skyrl_mtp.trainer.policy_group import PolicyGroup
 
     pl, m = cfg.trainer.placement, cfg.megatron
-    eng, pol = plan.engines[0], plan.policy[0]
     ecfg = engine_config(cfg, model_path)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        fut = pool.submit(EngineClient.create, ecfg, num_cpus_per_engine=eng.num_cpus,
-                          num_gpus_per_engine=eng.num_gpus)
+        fut = pool.submit(EngineClient.create, ecfg,
+                          per_engine_options=[actor_options(placement_group, a) for a in plan.engines])
         try:
             policy = PolicyGroup.create(policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
-                                        m.tp, m.pp, m.cp, m.dp, num_cpus=pol.num_cpus, num_gpus=pol.num_gpus)
+                                        m.tp, m.pp, m.cp, m.dp,
+                                        per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
         except BaseException:
             try:
                 fut.result().shutdown()
@@ -349,8 +353,25 @@ def _start_workers(cfg: DictConfig, model_path: Path, plan: Any):
     return engines, policy
 
 
-def _write_run_info(run_dir, cfg: DictConfig, model_path: Path, engines: Any, policy: Any) -> None:
+def _actor_placement_groups(actors: list[Any]) -> list[str | None]:
+    """The placement group each actor actually runs in (asked of the actor itself)."""
+    import ray
+
+    def where(_self: Any) -> str | None:
+        return ray.get_runtime_context().get_placement_group_id()
+
+    return ray.get([a.__ray_call__.remote(where) for a in actors])
+
+
+def _write_run_info(run_dir, cfg: DictConfig, model_path: Path, engines: Any, policy: Any, plan: Any,
+                    placement_group: Any) -> None:
     info = {
+        "placement": {"placement_group": placement_group.id.hex(), "strategy": plan.strategy,
+                      "bundles": list(plan.bundles),
+                      "engine_bundles": [a.bundle_index for a in plan.engines],
+                      "policy_bundles": [a.bundle_index for a in plan.policy],
+                      "engine_actors_in": _actor_placement_groups(engines.actors),
+                      "policy_actors_in": _actor_placement_groups(policy.workers)},
         "model_path": str(model_path),
         "engines": [{k: v for k, v in e.items() if k != "schema"} for e in engines.engine_infos],
         "engine_config": {"num_speculative_tokens": engines.cfg.num_speculative_tokens,

@@ -7,17 +7,13 @@ ranks of the same data-parallel replica receive the same slice. Results come fro
 
 from __future__ import annotations
 
-import socket
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 import torch
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from skyrl_mtp.net import free_port
 
 
 def shard_batch(batch: dict[str, torch.Tensor], dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
@@ -38,14 +34,19 @@ class PolicyGroup:
 
     @classmethod
     def create(cls, worker_cfg: Any, hf_path: str, world_size: int, tp: int, pp: int, cp: int, dp: int,
-               num_cpus: float = 1, num_gpus: float = 0, runtime_env: dict | None = None) -> PolicyGroup:
+               num_cpus: float = 1, num_gpus: float = 0, runtime_env: dict | None = None,
+               per_rank_options: Sequence[Mapping[str, Any]] | None = None) -> PolicyGroup:
+        """`per_rank_options[r]` (e.g. rank r's placement-group bundle) goes on top of the common options."""
         from skyrl_mtp.policy.worker import PolicyWorker
 
+        if per_rank_options is not None and len(per_rank_options) != world_size:
+            raise ValueError(f"per_rank_options has {len(per_rank_options)} entries for world_size={world_size}")
         port = free_port()
         opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if runtime_env:
             opts["runtime_env"] = runtime_env
-        workers = [PolicyWorker.options(**opts).remote(worker_cfg, hf_path, rank, world_size, "127.0.0.1", port)
+        workers = [PolicyWorker.options(**{**opts, **(per_rank_options[rank] if per_rank_options else {})})
+                   .remote(worker_cfg, hf_path, rank, world_size, "127.0.0.1", port)
                    for rank in range(world_size)]
         group = cls(workers, tp, pp, cp, dp)
         try:

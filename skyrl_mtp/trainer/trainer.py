@@ -198,7 +198,6 @@ class RLTrainer:
         timer = StepTimer()
         with timer.phase("generate"):
             groups, metrics = self._generate(timer)
-        timer.totals["generate"] -= timer.totals.get("reward", 0.0)
         batches = self._train_batches(groups)
         with timer.phase("old_logprobs"):
             diffs, n_tok = 0.0, 0.0

@@ -7,7 +7,6 @@ Response: {"result": [[{"document": {"id", "contents"}, "score": float}, ...] pe
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from skyrl_mtp.envs.retriever.corpus_index import BM25Index
+from skyrl_mtp.net import free_port
 
 
 class RetrieveRequest(BaseModel):
@@ -53,12 +53,6 @@ def build_app(index: BM25Index, *, max_topk: int = 50) -> FastAPI:
         return JSONResponse({"result": result})
 
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

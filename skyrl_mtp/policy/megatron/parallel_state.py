@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, tp: int, seed: int) -> None:

@@ -43,3 +43,21 @@ def test_running_cluster_too_small_is_named(ray_local):
     cfg = load_config(["recipe=tiny_dapo", f"generator.num_engines={cpus}"])
     with pytest.raises(PlacementError, match=f"cluster too small: needs {cpus + 1} CPUs .* but the cluster has {cpus}"):
         plan_for_running_cluster(cfg)
+
+
+def test_reserve_names_the_bundles_it_could_not_get_and_leaves_no_group(ray_local):
+    import dataclasses
+
+    from ray.util import placement_group_table
+
+    from skyrl_mtp.cluster.placement import release, reserve
+
+    plan = plan_for_running_cluster(load_config(["recipe=tiny_dapo"]))
+    pg = reserve(plan, timeout_s=60)                       # the real plan fits
+    release(pg)
+    greedy = dataclasses.replace(plan, bundles=({"CPU": 4096.0},))
+    before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    with pytest.raises(PlacementError, match=r"bundles \[\{'CPU': 4096.0\}\].*not reserved within 2s"):
+        reserve(greedy, timeout_s=2)
+    after = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    assert after <= before

@@ -3,14 +3,13 @@ spawned processes, on vocab layouts that include a rank whose shard is empty or 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from mtp_tp_rank import CHUNK, TOPK, run_rank, shard_bounds
 
 from skyrl_mtp.mtp.draft_losses import DRAFT_LOSS_TYPES, chunked_draft_loss, draft_loss, expected_acceptance
+from skyrl_mtp.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -40,19 +39,13 @@ def _case(shards, vocab_size, seed):
                 hidden=torch.randn(N, H, generator=g, dtype=D), weight=torch.randn(v, H, generator=g, dtype=D))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mtp_tp")
     cases = {name: _case(shards, vs, seed) for seed, (name, (shards, vs)) in enumerate(LAYOUTS.items())}
     cases["rank1_all_padding"]["target"][:] = torch.tensor([3, 0, 1, 2, 3, 3, 0, 1, 2])
     torch.save(cases, tmp / "data.pt")
-    mp.spawn(run_rank, args=(2, _free_port(), str(tmp / "data.pt"), str(tmp)), nprocs=2, join=True)
+    mp.spawn(run_rank, args=(2, free_port(), str(tmp / "data.pt"), str(tmp)), nprocs=2, join=True)
     return cases, [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.multiprocessing as mp
 from parallel_rank import run_rank
 
+from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.config import PolicyWorkerConfig
-from skyrl_mtp.policy.megatron.parallel_state import free_port
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy
 
 pytestmark = pytest.mark.integration

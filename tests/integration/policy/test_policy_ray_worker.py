@@ -10,7 +10,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_policy_worker_actor(ray_local, tiny_ckpt, tmp_path):
-    from skyrl_mtp.policy.megatron.parallel_state import free_port
+    from skyrl_mtp.net import free_port
     from skyrl_mtp.policy.worker import PolicyWorker
 
     # exactly the calls the trainer makes

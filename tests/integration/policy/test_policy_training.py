@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.batch_layout import BatchError, prepare
 from skyrl_mtp.policy.config import PolicyConfigError, PolicyWorkerConfig
 from skyrl_mtp.policy.megatron.hf_bridge import WeightMappingError
 from skyrl_mtp.policy.megatron.model_builder import ModelBuildError
-from skyrl_mtp.policy.megatron.parallel_state import free_port
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy, load_hf_weights
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.config import PolicyWorkerConfig
-from skyrl_mtp.policy.megatron.parallel_state import free_port
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -75,6 +75,13 @@ def test_cli_overrides_reach_the_engines_and_the_loss(run_a):
     assert info["policy_worker_config"]["mtp_loss_topk"] == 16
 
 
+def test_actors_run_in_their_placement_group_bundles(run_a):
+    # the plan's bundles are reserved as one placement group; each actor reports the group it runs in
+    pl = json.loads((run_a / "run_info.json").read_text())["placement"]
+    assert pl["engine_actors_in"] == [pl["placement_group"]] and pl["policy_actors_in"] == [pl["placement_group"]]
+    assert pl["bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}] and pl["engine_bundles"] == [0] and pl["policy_bundles"] == [1]
+
+
 def test_resume_continues_with_identical_next_step(run_a, tmp_path, cli):
     run_b = tmp_path / "b"
     shutil.copytree(run_a, run_b)

@@ -176,3 +176,54 @@ def test_engine_config_carries_the_sampling_switches_from_the_generator_config(t
     off = engine_config(load_config(["recipe=tiny_dapo", "generator.draft_invariant_sampling=false",
                                      "generator.cpu_sampling_fix=false"]), tmp_path)
     assert off.draft_invariant_sampling is False and off.cpu_sampling_fix is False
+
+
+def test_tiny_model_config_is_a_subset_of_the_model_spec():
+    import dataclasses
+
+    from skyrl_mtp.config.schema import TinyModelConfig
+    from skyrl_mtp.models.tiny import TinyModelSpec
+
+    spec_defaults = {f.name: f.default for f in dataclasses.fields(TinyModelSpec)}
+    for f in dataclasses.fields(TinyModelConfig):
+        if f.name != "cache_dir":
+            assert f.name in spec_defaults, f"model.tiny.{f.name} is not a TinyModelSpec field"
+            assert f.default == spec_defaults[f.name], f"model.tiny.{f.name} default differs from TinyModelSpec's"
+
+
+def test_resolve_model_builds_the_spec_from_model_tiny(tmp_path, monkeypatch):
+    from skyrl_mtp.config import load_config
+    from skyrl_mtp.trainer import launch
+
+    seen = {}
+    monkeypatch.setattr("skyrl_mtp.models.tiny.cached_tiny_checkpoint",
+                        lambda root, spec: seen.update(root=root, spec=spec) or tmp_path / "ckpt")
+    cfg = load_config(["recipe=tiny_dapo", "model.tiny.hidden=256", "model.tiny.seed=3"])
+    assert launch.resolve_model(cfg, tmp_path) == tmp_path / "ckpt"
+    assert seen["spec"].hidden == 256 and seen["spec"].seed == 3 and seen["spec"].layers == 2
+    assert seen["root"] == tmp_path / "models"
+
+
+def test_step_timer_phases_are_exclusive_and_add_up():
+    from skyrl_mtp.trainer.step_timer import StepTimer
+
+    ticks = iter([0.0, 1.0, 3.0, 4.5, 5.0, 6.0, 10.0, 12.0])
+    timer = StepTimer(clock=lambda: next(ticks))
+    with timer.phase("generate"):          # 0.0
+        with timer.phase("reward"):        # 1.0 .. 3.0
+            pass
+        with timer.phase("reward"):        # 4.5 .. 5.0
+            pass
+    with timer.phase("train"):             # 10.0 .. 12.0 (generate closed at 6.0)
+        pass
+    # generate: 0-1 and 3-4.5 and 5-6 = 3.5; reward: 2 + 0.5 = 2.5; train: 12 - 10 = 2
+    m = timer.metrics()
+    assert m["timing/generate_s"] == 3.5 and m["timing/reward_s"] == 2.5 and m["timing/train_s"] == 2.0
+    assert m["timing/step_s"] == 8.0
+
+
+def test_policy_group_wants_one_option_set_per_rank():
+    from skyrl_mtp.trainer.policy_group import PolicyGroup
+
+    with pytest.raises(ValueError, match="per_rank_options has 1 entries for world_size=2"):
+        PolicyGroup.create(None, "/nowhere", 2, 1, 1, 1, 2, per_rank_options=[{}])
