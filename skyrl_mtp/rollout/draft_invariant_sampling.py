@@ -17,10 +17,10 @@ rollouts equal non-spec rollouts token for token (up to floating-point noise in 
 Keying: on CPU vLLM's plain sampler (`TopKTopPSampler.forward_cpu`) draws one int per call from
 each seeded request's generator and samples with `torch.ops._C.fused_gumbel_argmax` on that seed, so
 a request's t-th output token uses the t-th int of its generator. The patched
-`RejectionSampler.forward` peeks the next k+1 ints (the generator state is saved and restored),
-samples every draft position and the bonus position with them, emits the accepted prefix plus one
-token, and then advances the generator by exactly the number of tokens it emitted. The bonus token
-is sampled by vLLM's own sampler, handed a copy of the generator advanced to the bonus position.
+`RejectionSampler.forward` peeks the next k ints (the generator state is saved and restored) and
+samples the k draft positions with them; the bonus position (k+1) is sampled by vLLM's own sampler,
+handed a copy of the generator advanced by k. It emits the accepted prefix plus one token and then
+advances the generator by exactly the number of tokens it emitted.
 
 Cases it does not cover fall back to vLLM's sampler (logged once): probabilistic drafts
 (draft_probs given), synthetic acceptance mode, fp64 Gumbel noise, a non-CPU sampler, all-greedy
@@ -159,9 +159,8 @@ def _invariant_forward(self, metadata, logits, sampling_metadata, apply_sampling
 
     num_draft = list(metadata.num_draft_tokens)
     generators: dict[int, torch.Generator] = sampling_metadata.generators
-    seeds = [peek_seeds(generators.get(i), n + 1) for i, n in enumerate(num_draft)]
-
-    bonus_generators = {i: advanced_copy(g, num_draft[i]) for i, g in generators.items()}
+    seeds = [peek_seeds(generators.get(i), n) for i, n in enumerate(num_draft)]       # the draft positions
+    bonus_generators = {i: advanced_copy(g, num_draft[i]) for i, g in generators.items()}   # the next one
     bonus_out = self.sampler(
         logits=logits[metadata.bonus_logits_indices],
         sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1, generators=bonus_generators),
@@ -176,7 +175,7 @@ def _invariant_forward(self, metadata, logits, sampling_metadata, apply_sampling
 
     target_tokens = torch.empty(0, dtype=torch.int64)
     if target_logits.shape[0]:
-        row_seeds = torch.tensor([s for i, n in enumerate(num_draft) for s in seeds[i][:n]], dtype=torch.long)
+        row_seeds = torch.tensor([s for row in seeds for s in row], dtype=torch.long)
         target_tokens = gumbel_argmax_cpu(target_logits, row_seeds).reshape(-1).to(torch.int64)
         if not sampling_metadata.all_random:
             greedy_rows = torch.repeat_interleave(sampling_metadata.temperature.cpu() < 1e-5,
