@@ -6,9 +6,10 @@ at T = 1.0 and T = 0.7: one no-spec engine, then spec engines with the fix on an
 one engine alive at a time. 8000 sequences of 4 tokens per configuration with per-request seeds, so the
 numbers are deterministic with the fix. The distribution check is a chi-square test of spec vs no-spec
 next-token histograms at fixed contexts (the target is a bigram model: the previous token is the
-context), plus the TV distance at the prompt's most likely continuation. The same checks must pass
-with the fix and fail without it (there the sampler reads uninitialised memory, so its numbers vary
-from run to run, but p-values seen were <= 1e-77 against a floor of 1e-3).
+context), plus the TV distance at the prompt's most likely continuation, and the draft acceptance
+against its expectation. The checks must pass with the fix and fail without it (there the sampler
+reads uninitialised memory, so its numbers vary from run to run: mostly p-values <= 1e-77 against a
+floor of 1e-3, once p = 0.009 with the acceptance at a quarter of its expectation).
 
 Both rejection-sampling couplings are run (vLLM's own, and the project's draft-invariant one from
 skyrl_mtp/rollout/draft_invariant_sampling.py): both must be lossless with the fix, and the
@@ -112,17 +113,22 @@ def test_with_fix_spec_and_nospec_distributions_are_indistinguishable(fidelity, 
 
 @pytest.mark.parametrize("coupling", ["vllm", "invariant"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_without_fix_the_same_distribution_test_fails(fidelity, temperature, coupling):
+def test_without_fix_the_same_checks_fail(fidelity, temperature, coupling):
+    # Without the fix the sampler divides by uninitialised memory, so how wrong the samples are varies
+    # from run to run: at T=0.7 one CI run saw chi-square p=0.009 (not caught by the distribution check
+    # alone) while the acceptance was 0.22 against an expected 0.94. Either check failing is the catch.
     row = _row(fidelity["details"], temperature, False, coupling)
-    assert distribution_problems(row), f"the corrupted sampler was not caught: {row}"
+    assert distribution_problems(row) + acceptance_problems(row), f"the corrupted sampler was not caught: {row}"
 
 
 @pytest.mark.parametrize("coupling", ["vllm", "invariant"])
-def test_oracle_acceptance_at_t1_matches_sum_min_p_q(fidelity, coupling):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_oracle_acceptance_matches_sum_min_p_q(fidelity, temperature, coupling):
     # the position-keyed coupling keeps the acceptance law: P(accept) = p(draft) for a greedy draft
-    row = _row(fidelity["details"], 1.0, True, coupling)
+    row = _row(fidelity["details"], temperature, True, coupling)
     assert row["replayed_steps"] == row["num_drafts"], "every verification step must be replayed from the outputs"
-    assert 0.3 < row["expected_acceptance"] < 0.9, row   # T=1: the oracle's draft is accepted with p(draft) only
+    if temperature == 1.0:
+        assert 0.3 < row["expected_acceptance"] < 0.9, row   # T=1: the oracle's draft is accepted with p(draft) only
     assert acceptance_problems(row) == []
 
 
