@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_mtp.cluster.placement import actor_options, plan_placement
+from skyrl_mtp.cluster.placement import actor_options, plan_placement, release, reserve
 from skyrl_mtp.config import compose_config
 
 pytestmark = pytest.mark.gpu
@@ -15,7 +15,6 @@ pytestmark = pytest.mark.gpu
 
 def test_colocated_plan_on_local_gpus(ray_local):
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
     gpus = torch.cuda.device_count()
     cfg = compose_config(["recipe=tiny_dapo", f"generator.num_engines={gpus}", "generator.tensor_parallel_size=1",
@@ -25,10 +24,8 @@ def test_colocated_plan_on_local_gpus(ray_local):
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     plan = plan_placement(cfg, ray.cluster_resources(), nodes)
     assert plan.colocate and plan.required["GPU"] == gpus
-    pg = placement_group(list(plan.bundles), strategy=plan.strategy)
+    pg = reserve(plan, timeout_s=60)
     try:
-        assert pg.wait(timeout_seconds=60)
-
         @ray.remote
         class Probe:
             def where(self):
@@ -45,4 +42,4 @@ def test_colocated_plan_on_local_gpus(ray_local):
         for actor in [*policy.values(), *engines]:
             ray.kill(actor)
     finally:
-        remove_placement_group(pg)
+        release(pg)

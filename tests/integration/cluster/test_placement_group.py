@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_mtp.cluster.placement import PlacementError, actor_options, plan_for_running_cluster
+from skyrl_mtp.cluster.placement import (
+    PlacementError,
+    actor_options,
+    plan_for_running_cluster,
+    release,
+    reserve,
+)
 from skyrl_mtp.config import load_config
 
 pytestmark = pytest.mark.integration
@@ -12,14 +18,11 @@ pytestmark = pytest.mark.integration
 
 def test_plan_schedules_actors_into_their_bundles(ray_local):
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
     cfg = load_config(["recipe=tiny_dapo"])
     plan = plan_for_running_cluster(cfg)
-    pg = placement_group(list(plan.bundles), strategy=plan.strategy)
+    pg = reserve(plan, timeout_s=60)
     try:
-        assert pg.wait(timeout_seconds=60)
-
         @ray.remote
         class Probe:
             def where(self):
@@ -33,7 +36,7 @@ def test_plan_schedules_actors_into_their_bundles(ray_local):
         for a in actors:
             ray.kill(a)
     finally:
-        remove_placement_group(pg)
+        release(pg)
 
 
 def test_running_cluster_too_small_is_named(ray_local):
@@ -49,8 +52,6 @@ def test_reserve_names_the_bundles_it_could_not_get_and_leaves_no_group(ray_loca
     import dataclasses
 
     from ray.util import placement_group_table
-
-    from skyrl_mtp.cluster.placement import release, reserve
 
     plan = plan_for_running_cluster(load_config(["recipe=tiny_dapo"]))
     pg = reserve(plan, timeout_s=60)                       # the real plan fits
