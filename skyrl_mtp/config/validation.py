@@ -105,6 +105,10 @@ def validate_config(cfg: DictConfig) -> None:
     # megatron
     for key in ("tp", "pp", "cp", "dp", "micro_batch_size"):
         c.at_least(f"megatron.{key}", 1)
+    for key, what in (("pp", "pipeline"), ("cp", "context")):   # the policy worker has no pp/cp yet
+        c.check(f"megatron.{key}", lambda v: v is None or v < 1 or v == 1,
+                f"only 1 is supported: {what} parallelism is not implemented by the policy worker "
+                "(scale with megatron.tp and megatron.dp)")
     c.choice("megatron.dtype", S.DTYPES)
     c.at_least("megatron.mtp_num_layers", 0, optional=True)
     c.choice("megatron.mtp_loss_type", S.DRAFT_LOSS_TYPES, optional=True)

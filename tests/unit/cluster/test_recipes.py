@@ -103,3 +103,29 @@ def test_cluster_recipe_fits_its_documented_hardware(recipe, nodes, gpus, k, tmp
     assert len(plan.policy) == cfg.megatron.tp * cfg.megatron.pp * cfg.megatron.cp * cfg.megatron.dp == gpus
     with pytest.raises(PlacementError, match=f"cluster too small: needs {gpus} GPUs"):
         plan_placement(cfg, {**total, "GPU": gpus - 1.0})
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_builds_its_policy_and_engine_configs(recipe, tmp_path):
+    """What the launcher hands the policy workers and the engines is built (and validated) for every recipe."""
+    from skyrl_mtp.trainer.launch import engine_config, policy_worker_config
+
+    cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
+    policy = policy_worker_config(cfg)
+    m = cfg.megatron
+    assert (policy.tp, policy.pp, policy.dp) == (m.tp, m.pp, m.dp)
+    assert policy.tp * policy.dp == cfg.trainer.placement.policy_num_workers
+    assert policy.dtype == m.dtype and policy.micro_batch_size == m.micro_batch_size
+    engine = engine_config(cfg, Path(cfg.model.path or tmp_path / "built_tiny_model"))  # tiny: built at launch
+    assert engine.num_engines == cfg.generator.num_engines
+    assert engine.tensor_parallel_size == cfg.generator.tensor_parallel_size
+
+
+@pytest.mark.parametrize("key", ["pp", "cp"])
+def test_pipeline_and_context_parallel_are_rejected_naming_the_key(key, tmp_path):
+    overrides = user_overrides("mimo7b_dapo", tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(["recipe=mimo7b_dapo", *overrides, f"megatron.{key}=2", "megatron.dp=4"])
+    msg = str(info.value)
+    assert f"megatron.{key}=2 is invalid: only 1 is supported" in msg
+    assert ("pipeline" if key == "pp" else "context") + " parallelism is not implemented" in msg
