@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup test test-unit run lint clean-venv
+.PHONY: setup test test-avx2 cpu-isa test-unit run lint clean-venv
 
 setup: $(STAMP)
 
@@ -23,8 +23,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import vllm, megatron.core, ray; print('setup ok: vllm', vllm.__version__, '| megatron-core', megatron.core.__version__, '| ray', ray.__version__)"
 	touch $(STAMP)
 
-test: setup
+test: setup cpu-isa
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The host's vector ISA and the vLLM kernel build vLLM maps for it (first lines of every test log).
+cpu-isa: setup
+	-$(BIN)/python -m skyrl_mtp.rollout.vllm_cpu_kernels
+
+# The whole suite on vLLM's AVX2 kernels, on any x86-64 host: every process (Ray workers and vLLM's
+# subprocesses included) sees torch report a CPU without AVX-512, which is what vLLM's choice reads.
+test-avx2: setup
+	SKYRL_MTP_VLLM_CPU_ISA=avx2 PYTHONPATH=$(CURDIR)/scripts/cpu_isa $(MAKE) test
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -158,10 +158,9 @@ def _check_caller_reaches_fix() -> None:
 
 
 def _ensure_cpu_ops_loaded() -> None:
-    from vllm.platforms import current_platform
+    from skyrl_mtp.rollout import vllm_cpu_kernels
 
-    if current_platform.is_cpu():
-        current_platform.import_kernels()
+    vllm_cpu_kernels.load()
 
 
 # ------------------------------------------------------------------------------------ apply
