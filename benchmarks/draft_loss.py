@@ -27,6 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
+# --quick: a smoke size (every loss type, tiny shapes) that finishes in seconds; explicit flags still win
+QUICK = dict(hidden=128, layers=2, vocab=1024, batch=2, seq=64, chunk=32, reps=1)
 
 
 def peak_memory_mb(fn) -> float:
@@ -74,6 +76,21 @@ def best_of(fns: dict, reps: int) -> dict[str, tuple[float, float]]:
     return {k: (min(r[0] for r in v), min(r[1] for r in v)) for k, v in runs.items()}
 
 
+def flop_floor_ratio(a, position_fraction: float = 1.0) -> float:
+    """(policy step + the head's own work) / policy step, in matmul FLOPs (the floor an implementation
+    can reach: nothing counted twice). Policy step: fwd + bwd = 6 FLOPs per parameter per token over
+    the trunk and lm_head. Head: its block and eh_proj fwd + bwd (6 per parameter per token, every
+    position), plus the projection through the DETACHED output layer at the trained positions: fwd and
+    the input gradient only (4 * V * H per position). The teacher is the policy's own logits (no extra
+    work)."""
+    h, layers, v = a.hidden, a.layers, a.vocab
+    heads, kv_heads, inter = h // 64, max(1, h // 128), 3 * h
+    block = h * heads * 64 * 2 + h * kv_heads * 64 * 2 + 3 * h * inter
+    policy = 6 * (layers * block + v * h)
+    head = 6 * (block + 2 * h * h) + 4 * v * h * position_fraction
+    return (policy + head) / policy
+
+
 def build_checkpoint(out: Path, a) -> Path:
     from skyrl_mtp.models.tiny import TinyModelSpec, build_tiny_checkpoint
 
@@ -93,11 +110,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", dest="prompt_len", type=int, default=0,
                     help="leading tokens of each row outside the loss mask (a prompt): the draft loss skips them")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--position-fraction", type=float, default=0.25,
+                    help="the cheaper option: draft loss on this fraction of positions (trainer.mtp.loss_position_fraction)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--loss-types", default=",".join(LOSS_TYPES))
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of the MTP-on extra cost")
+    ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} (explicit flags still win)")
     a = ap.parse_args(argv)
+    if a.quick:
+        ap.set_defaults(**QUICK)
+        a = ap.parse_args(argv)
     for name in ("hidden", "layers", "vocab", "batch", "seq", "chunk", "reps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name}={getattr(a, name)} must be >= 1")
@@ -113,10 +136,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(a.threads)
 
     from skyrl_mtp.mtp.draft_head import DraftLossSpec, compute_draft_loss, replay_mtp_hidden
+    from skyrl_mtp.net import free_port
     from skyrl_mtp.policy.batch_layout import prepare
     from skyrl_mtp.policy.config import PolicyWorkerConfig
     from skyrl_mtp.policy.megatron.optimizers import clip_grad_norm
-    from skyrl_mtp.policy.megatron.parallel_state import free_port
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy, token_logprobs
 
     ckpt = build_checkpoint(Path(tempfile.mkdtemp(prefix="draft_loss_bench_")) / "ckpt", a)
@@ -124,6 +147,8 @@ def main(argv=None) -> dict:
     common = dict(micro_batch_size=a.batch, policy_lr=1e-5, head_lr=1e-4)
     on = MegatronPolicy(PolicyWorkerConfig(**common), str(ckpt), 0, 1, "127.0.0.1", port)
     off = MegatronPolicy(PolicyWorkerConfig(**common, mtp_enabled=False), str(ckpt), 0, 1, "127.0.0.1", port)
+    cheap = MegatronPolicy(PolicyWorkerConfig(**common, mtp_loss_position_fraction=a.position_fraction), str(ckpt),
+                           0, 1, "127.0.0.1", port)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
     lm = torch.ones(a.batch, a.seq)
@@ -170,10 +195,15 @@ def main(argv=None) -> dict:
                      "peak_mem_ratio_to_policy": round(mb / policy_mb, 4)})
 
     steps = best_of({"on": lambda: on.train_step(dict(raw), "dapo", {}),
-                     "off": lambda: off.train_step(dict(raw), "dapo", {})}, a.reps)
+                     "off": lambda: off.train_step(dict(raw), "dapo", {}),
+                     "cheap": lambda: cheap.train_step(dict(raw), "dapo", {})}, a.reps)
     result = {"rows": rows, "train_step_ratio_mtp_on_off": round(steps["on"][0] / steps["off"][0], 4),
               "train_step_cpu_ratio_mtp_on_off": round(steps["on"][1] / steps["off"][1], 4),
               "train_step_ms_mtp_on": round(steps["on"][0], 2), "train_step_ms_mtp_off": round(steps["off"][0], 2),
+              "flop_floor_ratio_mtp_on_off": round(flop_floor_ratio(a), 4),
+              "position_fraction": a.position_fraction,
+              "train_step_ratio_mtp_on_off_cheap": round(steps["cheap"][0] / steps["off"][0], 4),
+              "flop_floor_ratio_mtp_on_off_cheap": round(flop_floor_ratio(a, a.position_fraction), 4),
               "policy_fwd_bwd_ms": round(policy_ms, 2), "policy_fwd_bwd_cpu_ms": round(policy_cpu, 2),
               "policy_fwd_bwd_peak_mem_mb": round(policy_mb, 1),
               "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),

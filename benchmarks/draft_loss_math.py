@@ -18,6 +18,9 @@ import subprocess
 import sys
 import time
 
+# --quick: a smoke size that finishes in seconds; explicit flags still win
+QUICK = dict(n=256, vocab=2048, hidden=128, chunk=64, topk=16, repeat=1)
+
 
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -66,8 +69,8 @@ def _one(a) -> dict:
             "chunk": a.chunk if a.chunked else None, "threads": torch.get_num_threads()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=512)
@@ -78,7 +81,11 @@ def main() -> None:
     p.add_argument("--loss-type", dest="loss_type")
     p.add_argument("--chunked", action="store_true")
     p.add_argument("--child", action="store_true")
-    a = p.parse_args()
+    p.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} (explicit flags still win)")
+    a = p.parse_args(argv)
+    if a.quick:
+        p.set_defaults(**QUICK)
+        a = p.parse_args(argv)
     if a.child:
         print(json.dumps(_one(a)))
         return

@@ -5,16 +5,19 @@ target forward. This measures both ends: an oracle MTP head (drafts always accep
 and a random head (drafts never accepted: the lower bound, the pure cost of speculating), for k = 1..3,
 against no speculative decoding, on a model big enough that CPU decoding is not pure per-step overhead.
 
-For each k one engine is started on the oracle checkpoint; the random head is then loaded into the same
-engine with the project's weight sync (worker extension), so both heads run on an identical build.
-Generation ignores EOS so every configuration emits the same number of tokens.
+One fresh engine per (k, head), measured at every batch size in turn (--batches; the engine's
+max_num_seqs is the largest). k = "auto" is adaptive speculation (rollout/adaptive_speculation.py: k per
+engine step from the running batch, live acceptance and on-engine timings, up to --auto-max); its row
+carries the mean k it chose (`k_mean`). Every row also says whether its tokens equal the no-spec
+engine's (`identical_to_no_spec`, greedy: must be true). Generation ignores EOS so every configuration
+emits the same number of tokens.
 
 Predicted speedup = (1 + sum_i acceptance_pos_i) / (1 + k * c): tokens per target step over the cost
 of one step (verify ~ one target forward, plus k draft forwards). c, the cost of one draft forward
 relative to a target forward, is estimated from parameter counts (MTP layer + shared lm_head over the
 trunk + lm_head, matmul FLOPs per token); the measured lower bound shows how good that estimate is.
 
-    python benchmarks/rollout_spec.py [--json OUT] [--ks 1 2 3] [--batch 4] [--max-tokens 64]
+    python benchmarks/rollout_spec.py [--json OUT] [--ks 1 2 3 auto] [--batches 1 16 64] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# --quick: a smoke size (k=1 only, a small model, one repetition); explicit flags still win
+QUICK = dict(ks=["1", "auto"], batches=[2], prompt_len=8, max_tokens=16, reps=1, hidden=128, layers=2, heads=2, kv_heads=1,
+             intermediate=384, vocab=1024)
 
 
 def draft_cost_ratio(spec) -> float:
@@ -53,16 +59,19 @@ def counters(llm) -> dict[str, object]:
     return out
 
 
-def measure(llm, prompts, params, reps: int) -> dict[str, object]:
+def measure(llm, prompts, params, reps: int, adaptive: bool = False) -> dict[str, object]:
+    def adaptive_stats():
+        return llm.collective_rpc("skyrl_adaptive_speculation_stats")[0] if adaptive else None
+
     llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], params, use_tqdm=False)   # warm up
-    before = counters(llm)
+    before, st0 = counters(llm), adaptive_stats()
     times, tokens = [], 0
     for _ in range(reps):
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    after = counters(llm)
+    after, st1 = counters(llm), adaptive_stats()
     drafts = after["drafts"] - before["drafts"]
     accepted = after["accepted"] - before["accepted"]
     draft_tokens = after["draft_tokens"] - before["draft_tokens"]
@@ -73,14 +82,19 @@ def measure(llm, prompts, params, reps: int) -> dict[str, object]:
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "per_pos": [x / drafts for x in per_pos] if drafts else [],
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "k_mean": ((st1["k_sum"] - st0["k_sum"]) / (st1["steps"] - st0["steps"])
+                   if st1 and st1["steps"] > st0["steps"] else None),
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write {'rows': [...]} here")
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--ks", nargs="+", default=["1", "2", "3", "auto"], help="ints >= 1 and/or auto")
+    ap.add_argument("--auto-max", type=int, default=3, help="the maximum k of the auto rows")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--draft-heads", nargs="+", default=["oracle", "random"], choices=["oracle", "random"])
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
@@ -91,70 +105,87 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=1408)
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--cache", default=str(REPO / ".cache" / "bench_tiny"))
-    a = ap.parse_args()
-    if any(k < 1 for k in a.ks):
-        ap.error(f"--ks={a.ks} is invalid: every k must be >= 1 (k=0, no spec, is always measured)")
+    ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} (explicit flags still win)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        ap.set_defaults(**QUICK)
+        a = ap.parse_args(argv)
+    if any(not (k == "auto" or (k.isdigit() and int(k) >= 1)) for k in a.ks):
+        ap.error(f"--ks={a.ks} is invalid: every k must be an int >= 1 or auto (k=0, no spec, is always measured)")
+    if a.auto_max < 1 or any(b < 1 for b in a.batches):
+        ap.error(f"--auto-max={a.auto_max} and --batches={a.batches} must be >= 1")
+    a.ks = [k if k == "auto" else int(k) for k in a.ks]
 
     from skyrl_mtp.runtime_env import configure_offline_caches
 
     configure_offline_caches(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
     import torch
-    from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
+    from skyrl_mtp.rollout.config import EngineConfig
     from skyrl_mtp.rollout.engine import WORKER_EXTENSION_CLS
-    from skyrl_mtp.rollout.weight_sync import serialize_weights
 
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate, vocab=a.vocab, mtp_layers=1, seed=0)
     oracle = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="oracle", **shape))
     random_ckpt = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="random", **shape))
-    random_blob = serialize_weights(load_file(str(random_ckpt / "model.safetensors")))
     c = draft_cost_ratio(TinyModelSpec(**shape))
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+    prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(max(a.batches))]
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=1)
-    base = dict(model=str(oracle), max_model_len=a.prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batch, 1),
+    base = dict(model=str(oracle), max_model_len=a.prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batches),
                 kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, dtype="float32", seed=0,
                 disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION_CLS)
 
     rows = []
     for k in [0, *a.ks]:
-        spec_cfg = {"method": "mtp", "num_speculative_tokens": k} if k else None
-        llm = LLM(**base, speculative_config=spec_cfg)
-        try:
-            heads = ["oracle", "random"] if k else [None]
-            for head in heads:
-                if head == "random":
-                    llm.collective_rpc("skyrl_load_weights_bytes", args=(random_blob,))
-                    llm.reset_prefix_cache()
-                r = measure(llm, prompts, params, a.reps)
-                predicted = (1 + sum(r["per_pos"])) / (1 + k * c) if k else 1.0
-                rows.append({"head": head, "k": k, "tokens_per_s": r["tokens_per_s"],
-                             "acceptance_rate": r["acceptance_rate"],
-                             "mean_acceptance_length": r["mean_acceptance_length"],
-                             "speedup_vs_no_spec": None, "predicted_speedup": predicted})
-                print(f"k={k} head={head}: {r['tokens_per_s']:.1f} tok/s", flush=True)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-    base_tps = rows[0]["tokens_per_s"]
+        k_max = a.auto_max if k == "auto" else k
+        spec_cfg = EngineConfig(model_path=str(oracle), num_speculative_tokens=k_max, max_num_seqs=max(a.batches),
+                                adaptive_speculation=k == "auto").speculative_config
+        for head in a.draft_heads:   # k = 0 too: the two checkpoints' trunks differ (own no-spec reference)
+            # a fresh engine per head (the weight sync itself is measured by the trainer: sync/* metrics)
+            llm = LLM(**{**base, "model": str(random_ckpt if head == "random" else oracle)},
+                      speculative_config=spec_cfg)
+            try:
+                if k == "auto":
+                    llm.collective_rpc("skyrl_install_adaptive_speculation")
+                for batch in a.batches:
+                    r = measure(llm, prompts[:batch], params, a.reps, adaptive=k == "auto")
+                    predicted = (1 + sum(r["per_pos"])) / (1 + k * c) if isinstance(k, int) and k else (
+                        1.0 if not k else None)
+                    rows.append({"head": head, "k": k, "batch": batch, "tokens_per_s": r["tokens_per_s"],
+                                 "acceptance_rate": r["acceptance_rate"],
+                                 "mean_acceptance_length": r["mean_acceptance_length"],
+                                 "acceptance_per_pos": r["per_pos"], "k_mean": r["k_mean"],
+                                 "speedup_vs_no_spec": None, "predicted_speedup": predicted,
+                                 "_tokens": r["token_ids"]})
+                    print(f"k={k} head={head} batch={batch}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+    ref = {(row["head"], row["batch"]): row for row in rows if row["k"] == 0}
     for row in rows:
-        row["speedup_vs_no_spec"] = row["tokens_per_s"] / base_tps
+        base_row = ref[(row["head"], row["batch"])]
+        row["speedup_vs_no_spec"] = row["tokens_per_s"] / base_row["tokens_per_s"]
+        row["identical_to_no_spec"] = row["_tokens"] == base_row["_tokens"]
+    for row in rows:
+        del row["_tokens"]
 
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
     print(f"\nmodel: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} vocab={a.vocab} fp32; "
-          f"batch={a.batch} prompt_len={a.prompt_len} max_tokens={a.max_tokens} (greedy, EOS ignored); "
+          f"prompt_len={a.prompt_len} max_tokens={a.max_tokens} (greedy, EOS ignored); "
           f"draft cost ratio c={c:.3f} (parameter estimate)")
-    print(f"{'head':>7} {'k':>2} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'speedup':>8} {'predicted':>9}")
+    print(f"{'head':>7} {'k':>5} {'batch':>5} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'k_mean':>6} {'speedup':>8} "
+          f"{'predicted':>9} {'same':>5}")
     for row in rows:
-        print(f"{str(row['head']):>7} {row['k']:>2} {row['tokens_per_s']:>8.1f} "
+        print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} {row['tokens_per_s']:>8.1f} "
               f"{fmt(row['acceptance_rate'], '.3f'):>7} {fmt(row['mean_acceptance_length'], '.2f'):>8} "
-              f"{row['speedup_vs_no_spec']:>7.2f}x {row['predicted_speedup']:>8.2f}x")
+              f"{fmt(row['k_mean'], '.2f'):>6} {row['speedup_vs_no_spec']:>7.2f}x "
+              f"{fmt(row['predicted_speedup'], '.2f'):>8}x {str(row['identical_to_no_spec']):>5}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0

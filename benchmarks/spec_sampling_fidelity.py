@@ -61,6 +61,9 @@ HEADS = ("oracle", "partial", "random")
 PROMPT_TEXT = "the answer is"
 MIN_EXPECTED_PER_BIN = 5.0
 MIN_EXPECTED_PER_TV_BIN = 50.0
+# --quick: a smoke size (oracle head, k=1, the fix on, T=1 only, few samples: two engines in all);
+# its p-value has little power. Explicit flags still win.
+QUICK = dict(heads="oracle", ks="1", fix="on", settings="1.0:1.0", samples=400, requests=4, min_context=20)
 ROW_KEYS = ("head", "k", "temperature", "top_p", "fix", "coupling", "identical_to_nospec", "loglik_spec", "loglik_nospec", "tv_distance", "p_value",
             "acceptance", "expected_acceptance")
 
@@ -245,12 +248,15 @@ def expected_acceptance(outputs: list[list[int]], model: BigramModel, probs: tor
 
 # ---------------------------------------------------------------------------------------------- vLLM
 
-def make_llm(path: Path, k: int, fix: bool, max_num_seqs: int, seed: int, coupling: str = "invariant"):
+def make_llm(path: Path, k: int, fix: bool, max_num_seqs: int, seed: int, coupling: str = "invariant",
+             draft_sample_method: str = "greedy"):
     from vllm import LLM
 
     os.environ[FIX_ENV] = "1" if fix else "0"   # inherited by vLLM's spawned EngineCore and worker
     os.environ[COUPLING_ENV] = COUPLINGS[coupling]
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    if spec and draft_sample_method != "greedy":   # sampled drafts: vLLM's coupling (draft probs given)
+        spec["draft_sample_method"] = draft_sample_method
     return LLM(model=str(path), tokenizer=str(path), speculative_config=spec, max_model_len=128,
                max_num_seqs=max_num_seqs, kv_cache_memory_bytes=64 * 2**20, enforce_eager=True,
                dtype="float32", seed=seed, disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION_CLS)
@@ -330,7 +336,7 @@ def run(args) -> list[dict]:
     for head in heads:
         for k in ks:
             for fix, coupling in [(f, c) for f in fixes for c in couplings]:
-                llm = make_llm(ckpts[head], k, fix, args.max_num_seqs, args.seed, coupling)
+                llm = make_llm(ckpts[head], k, fix, args.max_num_seqs, args.seed, coupling, args.draft_sample_method)
                 spec = sample_all(llm)
                 close_llm(llm)
                 for (temp, top_p), (outs, delta, secs) in spec.items():
@@ -385,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coupling", choices=("invariant", "vllm", "both"), default="invariant",
                     help="rejection-sampling coupling of the spec engines: position-keyed (draft-invariant, the "
                          "project's default) or vLLM's own; same law, different tokens per seed")
+    ap.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default="greedy",
+                    help="how the MTP head drafts (vLLM draft_sample_method); probabilistic drafts are checked for "
+                         "losslessness the same way (the draft-invariant coupling falls back to vLLM's for them)")
     ap.add_argument("--heads", default=",".join(HEADS), help="comma list of oracle,partial,random")
     ap.add_argument("--ks", default="1,2,3", help="comma list of num_speculative_tokens")
     ap.add_argument("--settings", default="1.0:1.0,0.7:1.0,1.0:0.9", help="comma list of temperature:top_p")
@@ -397,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234, help="base sampling seed (request r: seed + r * n)")
     ap.add_argument("--model-seed", type=int, default=0)
     ap.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "spec_sampling_fidelity"))
+    ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} (explicit flags still win)")
     args = ap.parse_args(argv)
+    if args.quick:
+        ap.set_defaults(**QUICK)
+        args = ap.parse_args(argv)
     from skyrl_mtp.runtime_env import configure_offline_caches
 
     configure_offline_caches(os.environ.get("SKYRL_MTP_CACHE", REPO_ROOT / ".cache"))

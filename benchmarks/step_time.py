@@ -1,6 +1,8 @@
 """RL step time on the tiny default, split into generate / reward / train / sync, for four set-ups:
 
-- spec_mtp_train: MTP speculative decoding with the draft head trained (the product),
+- spec_auto:      the product with trainer.mtp.num_speculative_tokens=auto: k per engine step chosen from
+                  the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py),
+- spec_mtp_train: MTP speculative decoding with the draft head trained, fixed k (the recipe's),
 - spec_vllm_coupling: the same with vLLM's own rejection-sampling coupling instead of the
                   draft-invariant one (generator.draft_invariant_sampling=false): the price of the
                   position-keyed sampler,
@@ -11,7 +13,7 @@ Each set-up is one real run of the CLI (Ray, vLLM, Megatron) with the same seeds
 warm start is cached so only the first run pays for it. Means are over steps after the first
 (`--skip`), and ratios are taken against no_spec from the same invocation.
 
-    python benchmarks/step_time.py [--steps 12] [--json OUT] [override ...]
+    python benchmarks/step_time.py [--steps 12] [--setups a,b] [--quick] [--json OUT] [override ...]
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SETUPS = {
+    "spec_auto": ["trainer.mtp.num_speculative_tokens=auto"],
     "spec_mtp_train": [],
     "spec_vllm_coupling": ["generator.draft_invariant_sampling=false"],
     "spec_no_train": ["trainer.mtp.loss_weight=0.0"],
     "no_spec": ["trainer.mtp.enabled=false"],
 }
 PHASES = ("generate", "reward", "old_logprobs", "train", "sync", "step")
+# --quick: a smoke size (two set-ups, 2 steps of a small batch, no warm start); explicit flags and
+# overrides still win (later Hydra overrides replace earlier ones)
+QUICK = dict(steps=2, skip=1, setups="spec_auto,no_spec")
+QUICK_OVERRIDES = ["trainer.warm_start.enabled=false", "trainer.train_batch_size=2", "trainer.policy_mini_batch_size=2",
+                   "generator.n_samples_per_prompt=2", "generator.sampling.max_tokens=8",
+                   "algorithm.dynamic_sampling.max_gen_rounds=1"]
 
 
 def run_setup(name: str, extra: list[str], steps: int, out: Path, overrides: list[str]) -> list[dict]:
@@ -52,6 +61,8 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     out["acceptance"] = sum(r.get("rollout/train/draft_acceptance_rate", 0.0) for r in rows) / len(rows)
     out["tokens_per_s"] = sum(r.get("rollout/train/tokens_per_s", 0.0) for r in rows) / len(rows)
     out["reward"] = sum(r.get("reward/mean", 0.0) for r in rows) / len(rows)
+    ks = [r["rollout/train/speculation_k_mean"] for r in rows if "rollout/train/speculation_k_mean" in r]
+    out["k_mean"] = sum(ks) / len(ks) if ks else None   # auto only: mean drafts chosen per engine step
     return out
 
 
@@ -60,13 +71,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2, help="steps excluded from the means (the head is still untrained)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {list(SETUPS)} (must include no_spec)")
+    ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} with overrides {QUICK_OVERRIDES}")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every set-up")
     a = ap.parse_args(argv)
+    if a.quick:
+        ap.set_defaults(**QUICK)
+        a = ap.parse_args(argv)
+        a.overrides = [*QUICK_OVERRIDES, *a.overrides]
     if a.steps <= a.skip:
         ap.error(f"--steps={a.steps} must be greater than --skip={a.skip}")
+    setups = [x for x in a.setups.split(",") if x]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown or "no_spec" not in setups:
+        ap.error(f"--setups={a.setups!r}: unknown {unknown}; allowed: {list(SETUPS)}, and no_spec (the baseline "
+                 "of the ratios) must be one of them")
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
-        results = {name: summarize(run_setup(name, extra, a.steps, Path(tmp), a.overrides), a.skip)
-                   for name, extra in SETUPS.items()}
+        results = {name: summarize(run_setup(name, SETUPS[name], a.steps, Path(tmp), a.overrides), a.skip)
+                   for name in setups}
     base = results["no_spec"]
     header = f"{'setup':<20}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
     print(header)
@@ -77,9 +99,18 @@ def main(argv: list[str] | None = None) -> int:
               + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{gen_ratio:>13.2f}{step_ratio:>14.2f}")
         rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
                      "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],
-                     "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio})
+                     "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio,
+                     "k_mean": r["k_mean"]})
+    # the headline pair: the product set-up (auto k when measured, else the fixed-k one) over no_spec
+    spec = next((n for n in ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling") if n in results),
+                None)
+    headline = {"spec_setup": spec,
+                "step_ratio_spec_over_nospec": results[spec]["step"] / base["step"] if spec else None,
+                "generate_ratio_spec_over_nospec": results[spec]["generate"] / base["generate"] if spec else None}
+    print(f"{spec} over no_spec: step {headline['step_ratio_spec_over_nospec']}, "
+          f"generate {headline['generate_ratio_spec_over_nospec']}")
     if a.json:
-        a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, "rows": rows}, indent=2))
+        a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, **headline, "rows": rows}, indent=2))
     return 0
 
 

@@ -23,8 +23,9 @@ else
 fi
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ENV_ARGS=()
-if [ -n "${WANDB_API_KEY:-}" ]; then ENV_ARGS+=(--env WANDB_API_KEY --env WANDB_MODE=online); fi
+WANDB_ARGS=()   # wandb syncs when a key is given: logger.wandb_mode is the setting (WANDB_MODE is not read)
+if [ -n "${WANDB_API_KEY:-}" ]; then ENV_ARGS+=(--env WANDB_API_KEY); WANDB_ARGS+=(logger.wandb_mode=online); fi
 # shellcheck disable=SC2086  # SUBMIT_ARGS is a list of options
 exec "$HERE/submit.sh" --address "$RAY_API_SERVER_ADDRESS" ${SUBMIT_ARGS:-} "${ENV_ARGS[@]}" -- \
   recipe=mimo7b_searchr1 "model.path=$MODEL_PATH" "data.train_files=[$TRAIN_FILES]" "trainer.run_dir=$RUN_DIR" \
-  "${RETRIEVER[@]}" "$@"
+  "${RETRIEVER[@]}" "${WANDB_ARGS[@]}" "$@"

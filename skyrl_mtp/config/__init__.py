@@ -2,9 +2,8 @@
 
 from skyrl_mtp.config.errors import ConfigError
 from skyrl_mtp.config.loader import compose_config, load_config, to_yaml
-from skyrl_mtp.config.mtp_knob import propagate_mtp_knob
 from skyrl_mtp.config.schema import SkyRLConfig
 from skyrl_mtp.config.validation import validate_config
 
-__all__ = ["ConfigError", "SkyRLConfig", "compose_config", "load_config", "propagate_mtp_knob", "to_yaml",
+__all__ = ["ConfigError", "SkyRLConfig", "compose_config", "load_config", "to_yaml",
            "validate_config"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from skyrl_mtp.allowed import problem
+
+__all__ = ["ConfigError", "problem"]
 
 
 class ConfigError(ValueError):
@@ -15,6 +17,3 @@ class ConfigError(ValueError):
         super().__init__(f"{head}\n{body}" if len(problems) != 1 else f"{head} {problems[0]}")
 
 
-def problem(key: str, value: Any, allowed: str) -> str:
-    """Format one problem: the key, the offending value and what is allowed."""
-    return f"{key}={value!r} is invalid: {allowed}"

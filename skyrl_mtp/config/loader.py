@@ -1,4 +1,4 @@
-"""Compose a run's config: schema <- recipe <- command-line overrides, then derive and validate.
+"""Compose a run's config: schema <- recipe <- command-line overrides, then validate.
 
 Recipes are plain YAML files in a recipe directory (the repository's `recipes/` by default, or
 `recipe_dir=DIR` / $SKYRL_MTP_RECIPE_DIR for a user's own). They are registered in Hydra's config
@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from skyrl_mtp.config.errors import ConfigError, problem
-from skyrl_mtp.config.mtp_knob import propagate_mtp_knob
 from skyrl_mtp.config.schema import SkyRLConfig
 from skyrl_mtp.config.validation import validate_config
 
@@ -32,7 +31,7 @@ CONFIG_DIR = Path(__file__).resolve().parent
 REPO_RECIPE_DIR = CONFIG_DIR.parents[1] / "recipes"
 RECIPE_DIR_ENV = "SKYRL_MTP_RECIPE_DIR"
 # Keys whose values are free-form mappings (any sub-key is allowed).
-_OPEN_KEYS = {"generator.engine_kwargs", "generator.speculative_config"}
+_OPEN_KEYS = {"generator.engine_kwargs"}
 _CLI_ONLY = ("recipe", "recipe_dir")
 
 
@@ -233,9 +232,8 @@ def _explain_hydra_error(err: Exception) -> str:
 
 
 def load_config(overrides: list[str] | None = None) -> DictConfig:
-    """The validated, derived config of a run: what every component receives."""
+    """The validated config of a run; components get their settings from it via skyrl_mtp.config.build."""
     cfg = compose_config(overrides)
-    propagate_mtp_knob(cfg)
     validate_config(cfg)
     return cfg
 

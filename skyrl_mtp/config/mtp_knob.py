@@ -1,87 +1,47 @@
-"""Propagation of the high-level `trainer.mtp` knob into the training and inference settings.
+"""Checks of the high-level `trainer.mtp` knob against the low-level keys it touches.
 
 `trainer.mtp` says, once, whether the model drafts with its MTP head and how the head is trained.
-The low-level keys it drives (`megatron.mtp_*` and `generator.speculative_config`) are derived
-from it when left unset (null); an explicit low-level value that contradicts the knob is an
-error rather than being silently overwritten, because a user who wrote it meant something.
+Nothing is derived into other user keys: the engines' speculative config and the workers' draft-loss
+settings are built from `trainer.mtp` by `skyrl_mtp.config.build`. The one low-level key that can
+contradict it, `megatron.mtp_num_layers`, is checked here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from omegaconf import DictConfig
 
-from omegaconf import DictConfig, OmegaConf, open_dict
-
-from skyrl_mtp.config.errors import ConfigError, problem
-
-
-def speculative_config_for(k: int) -> dict[str, Any]:
-    return {"method": "mtp", "num_speculative_tokens": int(k)}
+from skyrl_mtp.allowed import DRAFT_SAMPLE_METHODS
+from skyrl_mtp.config.errors import problem
 
 
-def propagate_mtp_knob(cfg: DictConfig) -> DictConfig:
-    """Fill `megatron.mtp_*` and `generator.speculative_config` from `trainer.mtp`, in place.
-
-    Raises ConfigError listing every contradiction between the knob and explicit settings.
-    """
-    knob = cfg.trainer.mtp
-    meg = cfg.megatron
-    gen = cfg.generator
-    problems: list[str] = []
-
+def mtp_problems(cfg: DictConfig) -> list[str]:
+    """One problem per key that contradicts `trainer.mtp` (the key the user wrote is the one named)."""
+    knob, layers = cfg.trainer.mtp, cfg.megatron.mtp_num_layers
+    out: list[str] = []
     if knob.enabled:
-        k = int(knob.num_speculative_tokens)
-        if k < 1:
-            raise ConfigError([problem("trainer.mtp.num_speculative_tokens", k,
-                                       "must be >= 1 when trainer.mtp.enabled=true (set enabled=false to turn MTP off)")])
-        if meg.mtp_num_layers is not None and meg.mtp_num_layers == 0:
-            problems.append(problem("megatron.mtp_num_layers", 0,
-                                    "contradicts trainer.mtp.enabled=true; leave it null (use the checkpoint's MTP layers) or >= 1"))
-        if meg.mtp_loss_type is not None and meg.mtp_loss_type != knob.loss_type:
-            problems.append(problem("megatron.mtp_loss_type", meg.mtp_loss_type,
-                                    f"contradicts trainer.mtp.loss_type={knob.loss_type!r}; leave it null or make them equal"))
-        if meg.mtp_loss_weight is not None and float(meg.mtp_loss_weight) != float(knob.loss_weight):
-            problems.append(problem("megatron.mtp_loss_weight", meg.mtp_loss_weight,
-                                    f"contradicts trainer.mtp.loss_weight={knob.loss_weight!r}; leave it null or make them equal"))
-        wanted = speculative_config_for(k)
-        if not knob.get("draft_in_rollouts", True):
-            if gen.speculative_config is not None:
-                problems.append(problem("generator.speculative_config",
-                                        OmegaConf.to_container(gen.speculative_config, resolve=True),
-                                        "contradicts trainer.mtp.draft_in_rollouts=false; leave it null"))
-            if problems:
-                raise ConfigError(problems)
-            with open_dict(cfg):
-                meg.mtp_loss_type = knob.loss_type
-                meg.mtp_loss_weight = float(knob.loss_weight)
-            return cfg
-        if gen.speculative_config is not None:
-            given = OmegaConf.to_container(gen.speculative_config, resolve=True)
-            if given.get("method") != "mtp" or int(given.get("num_speculative_tokens", -1)) != k:
-                problems.append(problem("generator.speculative_config", given,
-                                        f"contradicts trainer.mtp (expected {wanted}); leave it null to derive it"))
-        if problems:
-            raise ConfigError(problems)
-        with open_dict(cfg):
-            meg.mtp_loss_type = knob.loss_type
-            meg.mtp_loss_weight = float(knob.loss_weight)
-            extra = {} if gen.speculative_config is None else OmegaConf.to_container(gen.speculative_config)
-            gen.speculative_config = {**wanted, **extra}
-        return cfg
-
-    if gen.speculative_config is not None:
-        problems.append(problem("generator.speculative_config",
-                                OmegaConf.to_container(gen.speculative_config, resolve=True),
-                                "speculative decoding needs the MTP head: set trainer.mtp.enabled=true or leave it null"))
-    if meg.mtp_num_layers is not None and meg.mtp_num_layers > 0:
-        problems.append(problem("megatron.mtp_num_layers", meg.mtp_num_layers,
-                                "contradicts trainer.mtp.enabled=false; leave it null or set 0"))
-    if meg.mtp_loss_weight is not None and float(meg.mtp_loss_weight) != 0.0:
-        problems.append(problem("megatron.mtp_loss_weight", meg.mtp_loss_weight,
-                                "contradicts trainer.mtp.enabled=false; leave it null or set 0"))
-    if problems:
-        raise ConfigError(problems)
-    with open_dict(cfg):
-        meg.mtp_num_layers = 0
-        meg.mtp_loss_weight = 0.0
-    return cfg
+        k = knob.num_speculative_tokens
+        if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
+            out.append(problem("trainer.mtp.num_speculative_tokens", k,
+                               "must be >= 1 (an int), or 'auto' (k chosen per engine step up to "
+                               "trainer.mtp.max_speculative_tokens) when trainer.mtp.enabled=true "
+                               "(set enabled=false to turn MTP off)"))
+        if knob.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            out.append(problem("trainer.mtp.draft_sample_method", knob.draft_sample_method,
+                               f"must be one of {list(DRAFT_SAMPLE_METHODS)}"))
+        m = knob.max_speculative_tokens
+        if k == "auto" and not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+            out.append(problem("trainer.mtp.max_speculative_tokens", m,
+                               "must be an int >= 1 (the maximum k of trainer.mtp.num_speculative_tokens=auto)"))
+        if layers is not None and layers == 0:
+            out.append(problem("megatron.mtp_num_layers", 0, "contradicts trainer.mtp.enabled=true; leave it null "
+                               "(use the checkpoint's MTP layers) or >= 1"))
+    elif layers is not None and layers > 0:
+        out.append(problem("megatron.mtp_num_layers", layers,
+                           "contradicts trainer.mtp.enabled=false; leave it null or set 0"))
+    if not (isinstance(knob.loss_position_fraction, (int, float)) and 0.0 < knob.loss_position_fraction <= 1.0):
+        out.append(problem("trainer.mtp.loss_position_fraction", knob.loss_position_fraction,
+                           "must be in (0, 1] (the fraction of draft positions the head's loss is computed on)"))
+    if knob.train_depths is not None and knob.train_depths < 1:
+        out.append(problem("trainer.mtp.train_depths", knob.train_depths,
+                           "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)"))
+    return out

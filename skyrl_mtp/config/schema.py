@@ -11,17 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
-ADVANTAGE_ESTIMATORS = ("grpo",)
-POLICY_LOSS_TYPES = ("dapo", "ppo")
-LOSS_REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-GENERATOR_BACKENDS = ("vllm",)
-ENVIRONMENTS = ("math", "search")
-LOGGER_BACKENDS = ("console", "jsonl", "wandb")
-DTYPES = ("float32", "bfloat16", "float16")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-RESUME_MODES = ("auto", "never")
-SYNTHETIC_TASKS = ("arithmetic", "search")
+from skyrl_mtp.allowed import (  # noqa: F401 - re-exported: the one allowed-values table
+    ADVANTAGE_ESTIMATORS,
+    DEFAULT_MTP_LOSS_CHUNK_SIZE,
+    DRAFT_LOSS_TYPES,
+    DTYPES,
+    ENVIRONMENTS,
+    GENERATOR_BACKENDS,
+    LOGGER_BACKENDS,
+    LOSS_REDUCTIONS,
+    LR_SCHEDULES,
+    POLICY_LOSS_TYPES,
+    RESUME_MODES,
+    SYNTHETIC_TASKS,
+)
 
 
 @dataclass
@@ -29,13 +32,26 @@ class MTPConfig:
     """The one high-level MTP knob: drafting at inference and head training at train time."""
 
     enabled: bool = True
-    num_speculative_tokens: int = 2
+    # an int k >= 1 (k drafts every engine step), or "auto": k is chosen per engine step between 0 and
+    # max_speculative_tokens from the running batch, live acceptance and timings measured on the engine
+    num_speculative_tokens: int | str = 2
+    max_speculative_tokens: int = 3   # the maximum k when num_speculative_tokens=auto (ignored otherwise)
+    # how the head drafts in vLLM: "greedy" (argmax; acceptance <= p_target(argmax) at T=1) or
+    # "probabilistic" (sampled from the head's distribution; pairs with loss_type=tv). Probabilistic
+    # drafts use vLLM's rejection-sampling coupling (lossless in distribution, tokens depend on drafts).
+    draft_sample_method: str = "greedy"
+    # the cheaper draft loss: train on about this fraction of each sequence's draft positions (1.0 = all)
+    loss_position_fraction: float = 1.0
     loss_type: str = "soft_ce"
     loss_weight: float = 1.0
     # false: train the head but roll out without speculative decoding (e.g. to warm the head up
     # before drafting with it). Bitwise comparisons do not need it on CPU: with
     # generator.draft_invariant_sampling seeded rollouts are a function of the policy alone anyway.
     draft_in_rollouts: bool = True
+    # Draft depths the head is trained on (depth d predicts token t+d from the head's own depth d-1
+    # output; depths beyond the checkpoint's MTP layers reuse the last layer, as vLLM drafts with it).
+    # null = num_speculative_tokens, i.e. trained for every depth it drafts.
+    train_depths: int | None = None
 
 
 @dataclass
@@ -71,7 +87,6 @@ class WarmStartConfig:
 class TrainerConfig:
     seed: int = 42
     total_steps: int = 10
-    epochs: int = 1
     train_batch_size: int = 8
     # Prompts per optimizer step: the step's batch is split into mini-batches, each one update of the
     # policy and the head (old logprobs are computed once, before the first). None = one update per step.
@@ -89,6 +104,10 @@ class TrainerConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW of the policy or of the MTP head (each has its own). The LR rises linearly over
+    `warmup_steps` optimizer steps, then follows `lr_schedule`: constant, or linear / cosine decay to 0
+    at the run's last optimizer step (trainer.total_steps x updates per step)."""
+
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -106,15 +125,11 @@ class MegatronConfig:
     dp: int = 1
     micro_batch_size: int = 4
     dtype: str = "float32"
-    # None means "derive": from trainer.mtp (loss settings) or from the checkpoint (mtp_num_layers).
+    # MTP layers built into the policy; null = the checkpoint's num_nextn_predict_layers.
+    # The draft-loss type and weight are trainer.mtp.loss_type / loss_weight (one key per thing).
     mtp_num_layers: int | None = None
-    mtp_loss_type: str | None = None
-    mtp_loss_weight: float | None = None
-    mtp_loss_topk: int = 32
-    mtp_loss_chunk_size: int = 1024
-    mtp_detach_trunk: bool = True
-    mtp_detach_shared_output: bool = True
-    mtp_separate_optimizer: bool = True
+    mtp_loss_topk: int = 32                                     # for trainer.mtp.loss_type=topk_soft_ce
+    mtp_loss_chunk_size: int = DEFAULT_MTP_LOSS_CHUNK_SIZE      # tokens per chunk of the draft loss; 0 = one chunk
     policy_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     head_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
 
@@ -133,8 +148,8 @@ class GeneratorConfig:
     backend: str = "vllm"
     num_engines: int = 1
     tensor_parallel_size: int = 1
-    # None means "derive from trainer.mtp"; an explicit value must agree with it.
-    speculative_config: dict[str, Any] | None = None
+    # vLLM pipeline parallelism inside each engine (engines too large for one node's TP); see validation.py
+    pipeline_parallel_size: int = 1
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     n_samples_per_prompt: int = 4
@@ -180,8 +195,9 @@ class AlgorithmConfig:
 
 @dataclass
 class TinyModelConfig:
-    """Build the embedded tiny MiMo-architecture model when `model.path` is null."""
+    """Build the embedded tiny model when `model.path` is null (architecture: `family`)."""
 
+    family: str = "mimo"  # model family of the tiny model: "mimo" or "qwen3_5" (hybrid Gated DeltaNet)
     hidden: int = 128
     layers: int = 2
     heads: int = 4
@@ -209,6 +225,10 @@ class DataConfig:
     synthetic_num_val: int = 64
     # operand digits of the synthetic arithmetic task
     synthetic_digits: int = 2
+    # synthetic search task: which relations are asked, and how many entities of their own the warm-start
+    # traces use (0: the traces answer the train questions; > 0: no RL or eval answer is ever trained on)
+    synthetic_search_relations: list[str] = field(default_factory=lambda: ["capital", "founder", "river", "currency"])
+    synthetic_search_warmstart_entities: int = 0
     synthetic_dir: str | None = None
     max_prompt_length: int = 256
     shuffle: bool = True
@@ -245,6 +265,8 @@ class LoggerConfig:
     run_name: str = "default"
     wandb_mode: str = "offline"
     plots: bool = True
+    # false: vLLM / Megatron / Ray log at WARNING and known harmless warnings are hidden
+    verbose: bool = False
 
 
 @dataclass

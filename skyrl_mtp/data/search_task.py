@@ -2,8 +2,11 @@
 
 Every entity (e.g. "Zorbia") gets one document per relation ("The capital of Zorbia is Quenta."), so a
 question can only be answered by searching. Warm-start traces (search -> information -> answer, with the
-information the BM25 retriever really returns) seed a supervised stage. Output follows the Search-R1 layout
-and is a pure function of the spec (same seed, same bytes).
+information the BM25 retriever really returns) seed a supervised stage. With `num_warmstart_entities > 0`
+the traces are about entities of their own (in the corpus, never asked in train or test), so the warm start
+can teach the search-and-copy skill but cannot teach any RL or eval answer: every correct answer the policy
+gives later was read from a retrieved passage. Output follows the Search-R1 layout and is a pure function of
+the spec (same seed, same bytes).
 """
 
 from __future__ import annotations
@@ -52,10 +55,14 @@ class SearchTaskSpec:
     instruction_style: str = "short"
     seed: int = 0
     data_source: str = "synthetic_kb"
+    # 0: warm-start traces answer the train questions; > 0: they answer facts of this many separate entities
+    num_warmstart_entities: int = 0
 
     def __post_init__(self):
         if not isinstance(self.num_entities, int) or not 1 <= self.num_entities <= 5000:
             raise ValueError(f"num_entities={self.num_entities!r} must be an int in [1, 5000]")
+        if not isinstance(self.num_warmstart_entities, int) or not 0 <= self.num_warmstart_entities <= 20000:
+            raise ValueError(f"num_warmstart_entities={self.num_warmstart_entities!r} must be an int in [0, 20000]")
         bad = [r for r in self.relations if r not in RELATION_NAMES]
         if not self.relations or bad:
             raise ValueError(f"relations={self.relations!r}: unknown {bad}; allowed: {RELATION_NAMES}")
@@ -115,20 +122,27 @@ def build_search_task(spec: SearchTaskSpec = SearchTaskSpec()) -> SearchTask:
     rng = random.Random(spec.seed)
     names = _NameMaker(rng)
     relations = [r for r in RELATIONS if r.name in spec.relations]
-    facts = []  # (entity, relation, value)
-    for _ in range(spec.num_entities):
-        entity = names(rng.choice((2, 3)))
-        facts += [(entity, rel, _value(rel.name, names)) for rel in relations]
-    corpus = [{"id": str(i), "contents": f"{e}\n{rel.fact.format(e=e, v=v)}"} for i, (e, rel, v) in enumerate(facts)]
 
+    def entity_facts(num: int) -> list[tuple[str, Relation, str]]:
+        out = []
+        for _ in range(num):
+            entity = names(rng.choice((2, 3)))
+            out += [(entity, rel, _value(rel.name, names)) for rel in relations]
+        return out
+
+    facts = entity_facts(spec.num_entities)  # (entity, relation, value)
     order = list(range(len(facts)))
     rng.shuffle(order)
     num_test = int(round(spec.test_fraction * len(facts)))
     test_ids, train_ids = sorted(order[:num_test]), sorted(order[num_test:])
+    first_ws = len(facts)
+    facts += entity_facts(spec.num_warmstart_entities)   # drawn last: the train/test facts do not depend on it
+    corpus = [{"id": str(i), "contents": f"{e}\n{rel.fact.format(e=e, v=v)}"} for i, (e, rel, v) in enumerate(facts)]
+    ws_ids = list(range(first_ws, len(facts))) if spec.num_warmstart_entities else train_ids
 
     index = BM25Index([Document(**d) for d in corpus])
-    train_queries = [facts[i][1].query.format(e=facts[i][0]) for i in train_ids]
-    hits = index.search(train_queries, spec.topk) if train_ids else []
+    ws_queries = [facts[i][1].query.format(e=facts[i][0]) for i in ws_ids]
+    hits = index.search(ws_queries, spec.topk) if ws_ids else []
 
     def row(i: int, split: str, n: int) -> dict:
         e, rel, v = facts[i]
@@ -137,17 +151,19 @@ def build_search_task(spec: SearchTaskSpec = SearchTaskSpec()) -> SearchTask:
 
     train = [row(i, "train", n) for n, i in enumerate(train_ids)]
     test = [row(i, "test", n) for n, i in enumerate(test_ids)]
+    ws_rows = [row(i, "warmstart", n) for n, i in enumerate(ws_ids)] if spec.num_warmstart_entities else train
     warmstart, top1 = [], 0
-    for n, (i, query, per_q) in enumerate(zip(train_ids, train_queries, hits)):
+    for n, (i, query, per_q) in enumerate(zip(ws_ids, ws_queries, hits)):
         top1 += per_q[0].document.id == str(i)
         segments = [
             {"role": "policy", "text": f"<search>{query}</search>"},
             {"role": "tool", "text": information_block(format_documents([h.document.contents for h in per_q]))},
             {"role": "policy", "text": f"<answer>{facts[i][2]}</answer>"},
         ]
-        warmstart.append({**train[n], "segments": segments, "response": "".join(s["text"] for s in segments)})
+        warmstart.append({**ws_rows[n], "segments": segments, "response": "".join(s["text"] for s in segments)})
     stats = {"num_documents": len(corpus), "num_train": len(train), "num_test": len(test),
-             "warmstart_gold_top1_frac": top1 / max(len(train_ids), 1), "spec": asdict(spec)}
+             "num_warmstart": len(warmstart), "warmstart_gold_top1_frac": top1 / max(len(ws_ids), 1),
+             "spec": asdict(spec)}
     return SearchTask(corpus, train, test, warmstart, stats)
 
 

@@ -1,9 +1,9 @@
 """Detached replay of the MTP head and its draft loss against the policy's own distribution.
 
-The replay feeds each MTP layer exactly what vLLM's MiMo drafter is fed: the trunk hidden state
-before the final norm, the embedding of the next token (zeroed where the position is 0), and for
-depth d > 1 the previous depth's (final-normed) output. Trunk hidden, re-embedding and the output
-projection weight are detached, so the gradient of the draft loss reaches MTP parameters only.
+The replay feeds each MTP layer exactly what the model family's vLLM drafter is fed
+(``ModelFamily.mtp_replay_inputs``: which trunk hidden state, whether the embedding is zeroed at
+position 0, what depth d > 1 receives and which layer runs it). Trunk hidden, re-embedding and the
+output projection weight are detached, so the gradient of the draft loss reaches MTP parameters only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ class DraftLossSpec:
     num_depths: int = 1
     topk: int = 32
     chunk_size: int = 0
+    # < 1: the cheaper loss, on about this fraction of each sequence's draft positions (a hash of the
+    # position, the depth and the batch's tokens picks them, so every TP rank picks the same ones and
+    # successive batches cover different positions); the trunk-side replay still runs on all positions
+    position_fraction: float = 1.0
 
 
 @dataclass
@@ -53,21 +57,50 @@ def _shift_ids(input_ids: torch.Tensor, shift: int) -> torch.Tensor:
     return out
 
 
+_HASH_MOD = 1 << 20
+
+
+def draft_positions(loss_mask: torch.Tensor, depth: int, segment_ids, input_ids: torch.Tensor,
+                    position_fraction: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the positions whose depth-``depth`` draft is trained: the draft mask, thinned to
+    ``position_fraction`` of them by a deterministic hash (identical on every rank holding the batch)."""
+    from .masks import draft_position_mask
+
+    mask = draft_position_mask(loss_mask, depth, segment_ids)
+    if position_fraction < 1.0:
+        b, s = mask.shape
+        salt = int(input_ids.long().sum()) % _HASH_MOD
+        pos = torch.arange(s, device=mask.device).unsqueeze(0) + s * torch.arange(b, device=mask.device).unsqueeze(1)
+        h = (pos * 2654435761 + depth * 40503 + salt * 97) % _HASH_MOD
+        mask = mask & (h < int(position_fraction * _HASH_MOD))
+    return mask.nonzero(as_tuple=True)
+
+
 def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      num_depths: int) -> list[torch.Tensor]:
-    """Final-normed MTP outputs [S, B, H] for depths 1..num_depths (gradient reaches MTP params only)."""
+                      num_depths: int, inputs=None) -> list[torch.Tensor]:
+    """Final-normed MTP outputs [S, B, H] for depths 1..num_depths (gradient reaches MTP params only).
+
+    ``inputs``: the family's ``MTPReplayInputs``; by default the family the model was built for.
+    """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    if inputs is None:
+        from ..policy.megatron.model_builder import family_of_model
+
+        inputs = family_of_model(model).mtp_replay_inputs
     layers = model.mtp.layers
     kw = captured.mtp_kwargs
     hidden = captured.prenorm_hidden.detach()
+    if inputs.hidden == "post_norm":
+        with torch.no_grad():
+            hidden = model.decoder.final_layernorm(hidden).detach()
     outs = []
     for d in range(1, num_depths + 1):
-        layer = layers[min(d - 1, len(layers) - 1)]
+        layer = layers[inputs.layer_index(d, len(layers))]
         with torch.no_grad():
             ids = _shift_ids(input_ids, d)
             emb = model.embedding(input_ids=ids, position_ids=position_ids).detach()  # [S, B, H]
-            if d == 1:
+            if d == 1 and inputs.zero_embedding_at_position_0:
                 emb = torch.where((position_ids == 0).t().unsqueeze(-1), torch.zeros_like(emb), emb)
         x = torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1)
         x, _ = layer.eh_proj(x)
@@ -76,7 +109,7 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
                                        rotary_pos_emb=kw.get("rotary_pos_emb"))
         x = layer.final_layernorm(x)
         outs.append(x)
-        hidden = x
+        hidden = x  # deeper_hidden == "previous_output": depth d+1 is fed depth d's final-normed output
     return outs
 
 
@@ -100,7 +133,6 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
     from .draft_losses import chunked_draft_loss, draft_loss
-    from .masks import draft_position_mask
 
     tp_group, tp_rank, tp_size = _tp_info()
     v_local = policy_logits.shape[-1]
@@ -113,7 +145,7 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     weight = output_weight(model).detach()
     total, count, per_depth = None, None, []
     for d, h in enumerate(hidden, start=1):
-        rows, cols = draft_position_mask(loss_mask, d, segment_ids).nonzero(as_tuple=True)
+        rows, cols = draft_positions(loss_mask, d, segment_ids, input_ids, spec.position_fraction)
         teacher = teacher_all[rows, cols + d]  # the policy's next-token logits at t + d: [n, V_local]
         target = input_ids[rows, cols + 1 + d]  # the sampled token the head predicts
         student_hidden = copy_to_tensor_model_parallel_region(h[cols, rows])  # h is [S, B, H]

@@ -1,11 +1,15 @@
-"""Typed, validated configuration of a Megatron policy worker (policy + decoupled MTP head)."""
+"""Typed, validated configuration of a Megatron policy worker (policy + decoupled MTP head).
+
+A run builds it from its config with `skyrl_mtp.config.build.policy_worker_config` (the one place that
+maps run keys to these fields). The policy's optimizer fields are `weight_decay`, `betas`, `eps`,
+`lr_warmup_steps`, `lr_schedule`; the head's are the `head_*` ones; both decay over `lr_decay_steps`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
-DTYPES = ("float32", "bfloat16", "float16")
+from skyrl_mtp.allowed import DEFAULT_MTP_LOSS_CHUNK_SIZE, DRAFT_LOSS_TYPES, DTYPES, LR_SCHEDULES, problem
 
 
 class PolicyConfigError(ValueError):
@@ -13,7 +17,7 @@ class PolicyConfigError(ValueError):
 
 
 def _bad(field_name: str, value, allowed: str) -> PolicyConfigError:
-    return PolicyConfigError(f"PolicyWorkerConfig.{field_name}={value!r} is invalid: {allowed}")
+    return PolicyConfigError(problem(f"PolicyWorkerConfig.{field_name}", value, allowed))
 
 
 @dataclass
@@ -23,11 +27,12 @@ class PolicyWorkerConfig:
     dp: int = 1
     mtp_num_layers: int | None = None  # None: the checkpoint's num_nextn_predict_layers; 0 disables
     mtp_enabled: bool = True
-    mtp_num_depths: int = 1  # draft depths trained; depth d > num layers reuses the last layer
+    mtp_num_depths: int = 1  # draft depths trained (run key trainer.mtp.train_depths); depth d > num layers reuses the last layer
     mtp_loss_type: str = "soft_ce"
     mtp_loss_weight: float = 1.0
     mtp_loss_topk: int = 32
-    mtp_loss_chunk_size: int = 0  # 0: no chunking over tokens
+    mtp_loss_chunk_size: int = DEFAULT_MTP_LOSS_CHUNK_SIZE  # 0: no chunking over tokens
+    mtp_loss_position_fraction: float = 1.0  # < 1: draft loss on that fraction of positions (run key trainer.mtp.loss_position_fraction)
     mtp_detach_trunk: bool = True
     mtp_detach_shared_output: bool = True
     mtp_separate_optimizer: bool = True
@@ -39,13 +44,24 @@ class PolicyWorkerConfig:
     policy_grad_clip: float = 1.0
     head_grad_clip: float = 1.0
     lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    head_weight_decay: float = 0.0
+    head_betas: tuple[float, float] = (0.9, 0.999)
+    head_eps: float = 1e-8
+    head_lr_warmup_steps: int = 0
+    head_lr_schedule: str = "constant"
+    lr_decay_steps: int = 0  # optimizer steps over which linear/cosine schedules decay to 0 (the run's total)
+    export_hf: bool = True  # checkpoints also hold an HF export of the policy (hf/)
+    export_draft_head: bool = True  # ... and the MTP head alone (draft_head/)
     micro_batch_size: int = 4
+    recompute_activations: bool = False  # Megatron full activation recompute (one layer per checkpoint)
     seed: int = 0
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
+        self.head_betas = tuple(self.head_betas)
         for name in ("tp", "pp", "dp", "micro_batch_size", "mtp_num_depths"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -58,6 +74,8 @@ class PolicyWorkerConfig:
             raise _bad("mtp_loss_type", self.mtp_loss_type, f"allowed: {DRAFT_LOSS_TYPES}")
         if not isinstance(self.mtp_loss_topk, int) or self.mtp_loss_topk < 1:
             raise _bad("mtp_loss_topk", self.mtp_loss_topk, "must be an integer >= 1")
+        if not 0.0 < float(self.mtp_loss_position_fraction) <= 1.0:
+            raise _bad("mtp_loss_position_fraction", self.mtp_loss_position_fraction, "must be in (0, 1]")
         if self.mtp_loss_chunk_size < 0:
             raise _bad("mtp_loss_chunk_size", self.mtp_loss_chunk_size, "must be >= 0 (0 = no chunking)")
         if self.mtp_loss_weight < 0:
@@ -68,12 +86,26 @@ class PolicyWorkerConfig:
         for name in ("policy_grad_clip", "head_grad_clip"):
             if getattr(self, name) <= 0:
                 raise _bad(name, getattr(self, name), "must be > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise _bad("betas", self.betas, "must be two floats in [0, 1)")
-        if self.lr_warmup_steps < 0:
-            raise _bad("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
+        for name in ("betas", "head_betas"):
+            betas = getattr(self, name)
+            if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+                raise _bad(name, betas, "must be two floats in [0, 1)")
+        for name in ("weight_decay", "head_weight_decay", "lr_warmup_steps", "head_lr_warmup_steps", "lr_decay_steps"):
+            if getattr(self, name) < 0:
+                raise _bad(name, getattr(self, name), "must be >= 0")
+        for name in ("eps", "head_eps"):
+            if getattr(self, name) <= 0:
+                raise _bad(name, getattr(self, name), "must be > 0")
+        for name in ("lr_schedule", "head_lr_schedule"):
+            if getattr(self, name) not in LR_SCHEDULES:
+                raise _bad(name, getattr(self, name), f"allowed: {LR_SCHEDULES}")
+            if getattr(self, name) != "constant" and self.lr_decay_steps < 1:
+                raise _bad("lr_decay_steps", self.lr_decay_steps,
+                           f"must be >= 1 with {name}={getattr(self, name)!r} (the run's planned optimizer steps)")
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"allowed: {DTYPES}")
+        if not isinstance(self.recompute_activations, bool):
+            raise _bad("recompute_activations", self.recompute_activations, "expected True or False")
         if not self.mtp_detach_trunk:
             raise _bad("mtp_detach_trunk", self.mtp_detach_trunk,
                        "only True is supported: the draft loss must not reach the trunk")

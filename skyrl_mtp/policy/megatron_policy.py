@@ -3,6 +3,7 @@ weight export and checkpoints. ``PolicyWorker`` (worker.py) is this class as a R
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -11,19 +12,21 @@ from safetensors.torch import load_file
 
 from .batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
 from .config import PolicyWorkerConfig
+from .device import rank_device
 from .megatron import checkpoint as ckpt
-from .megatron.hf_bridge import hf_to_megatron, load_into_model, megatron_to_hf
-from .megatron.model_builder import HFModelArgs, ModelBuildError, build_gpt_model, resolve_mtp_layers
-from .megatron.optimizers import (
-    allreduce_grads,
-    build_optimizer,
-    clip_grad_norm,
-    split_params,
-    warmup_schedule,
+from .megatron.hf_bridge import load_into_model
+from .megatron.model_builder import (
+    ModelBuildError,
+    build_gpt_model,
+    model_args_from_checkpoint,
+    resolve_mtp_layers,
 )
+from .megatron.optimizers import HEAD_PREFIX, TorchSideOptimizer, lr_scheduler, split_params
 from .megatron.parallel_state import init_distributed
+from .megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_tp_shard_into
 
 POLICY_LOSSES = tuple(REQUIRED_TRAIN_KEYS)  # "dapo" (RL), "sft" (warm start)
+WEIGHT_STREAMS = ("main", "draft")  # iter_hf_weights: the target model's tensors / the MTP head's
 
 
 def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:
@@ -34,6 +37,16 @@ def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def _enable_full_recompute(model: torch.nn.Module) -> None:
+    """Activation recompute, Megatron's "full" granularity, one layer per checkpoint: the transformer
+    block reads these fields of its (shared) config at every forward."""
+    cfg = model.config
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        if not hasattr(cfg, name):
+            raise AttributeError(f"megatron TransformerConfig has no {name!r}: activation recompute cannot be set")
+    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
 
 
 def _sequences_with_tokens(loss_mask: torch.Tensor) -> float:
@@ -62,17 +75,21 @@ class MegatronPolicy:
         if cfg.tp * cfg.dp != world_size:
             raise ValueError(f"PolicyWorkerConfig tp*dp = {cfg.tp}*{cfg.dp} must equal world_size={world_size}")
         self.cfg, self.hf_path, self.rank = cfg, str(hf_path), rank
-        self.args = HFModelArgs.from_checkpoint(hf_path)
+        self.args = model_args_from_checkpoint(hf_path)  # the family's arguments (self.args.family)
         if cfg.mtp_enabled and self.args.num_nextn_predict_layers == 0:
             raise ModelBuildError(
                 f"mtp_enabled=True but the checkpoint {hf_path!r} has num_nextn_predict_layers=0 (no MTP layers); "
                 "set mtp_enabled=False or use a checkpoint with an MTP head")
         self.mtp_layers = resolve_mtp_layers(self.args, cfg.mtp_num_layers, cfg.mtp_enabled)
-        hf = load_hf_weights(hf_path)  # read before the expensive distributed/model setup: fail fast
+        # headers only, before the expensive distributed/model setup: a mismatch fails fast
+        hf = LazyHFCheckpoint(hf_path)
+        self.weight_rules = check_checkpoint(hf, self.args, self.mtp_layers)
+        self._hf_shapes = {n: hf.shape(n) for r in self.weight_rules.values() for n in r.hf_names}
         from ..mtp.native_loss_patch import disable_native_mtp_loss
 
+        self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         tp=cfg.tp, seed=cfg.seed)
+                         tp=cfg.tp, seed=cfg.seed, device=self.device)
         from megatron.core import parallel_state as ps
 
         disable_native_mtp_loss()
@@ -80,43 +97,79 @@ class MegatronPolicy:
         self.dp_group = ps.get_data_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype)
-        load_into_model(self.model, hf_to_megatron(hf, self.args, self.mtp_layers, tp_rank=self.tp_rank, tp_size=cfg.tp))
+        if cfg.recompute_activations:
+            _enable_full_recompute(self.model)
+        # each rank reads only its TP chunks of the safetensors (lazily), then moves to its device
+        load_tp_shard_into(self.model, hf, self.weight_rules, tp_rank=self.tp_rank, tp_size=cfg.tp)
+        del hf
+        self.model.to(self.device.device)
         policy, head = split_params(self.model)
         self.policy_params = [p for _, p in policy]
         self.head_params = [p for _, p in head]
-        self.policy_opt = build_optimizer(self.policy_params, lr=cfg.policy_lr, weight_decay=cfg.weight_decay,
-                                          betas=cfg.betas, eps=cfg.eps)
-        self.policy_sched = warmup_schedule(self.policy_opt, cfg.lr_warmup_steps)
+        self.policy_side, self.head_side = self._build_sides()
+        self.policy_opt = self.policy_side.torch_optimizer
+        self.policy_sched = lr_scheduler(self.policy_opt, schedule=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps,
+                                         decay_steps=cfg.lr_decay_steps)
         self.head_opt = self.head_sched = None
         self.capture = None
         if self.mtp_layers > 0:
             from ..mtp.capture import MTPInputCapture
 
-            self.head_opt = build_optimizer(self.head_params, lr=cfg.head_lr, weight_decay=cfg.weight_decay,
-                                            betas=cfg.betas, eps=cfg.eps)
-            self.head_sched = warmup_schedule(self.head_opt, cfg.lr_warmup_steps)
+            self.head_opt = self.head_side.torch_optimizer
+            self.head_sched = lr_scheduler(self.head_opt, schedule=cfg.head_lr_schedule,
+                                           warmup_steps=cfg.head_lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
             self.capture = MTPInputCapture(self.model)
         self.step = 0
+
+    def _build_sides(self):
+        """(policy side, head side or None): Megatron DDP + distributed optimizer on GPU, torch AdamW on
+        CPU (``RankDevice.megatron_optimizer`` decides); each side clips over its own params only."""
+        cfg = self.cfg
+        pkw = dict(lr=cfg.policy_lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
+                   grad_clip=cfg.policy_grad_clip)
+        hkw = dict(lr=cfg.head_lr, weight_decay=cfg.head_weight_decay, betas=cfg.head_betas, eps=cfg.head_eps,
+                   grad_clip=cfg.head_grad_clip)
+        head_params = self.head_params if self.mtp_layers > 0 else []
+        if self.device.megatron_optimizer:
+            from .megatron.distributed_optimizer import build_megatron_side_optimizers
+
+            return build_megatron_side_optimizers(self.model, self.policy_params, head_params, policy_kw=pkw,
+                                                  head_kw=hkw)
+        groups = dict(dp_group=self.dp_group, tp_group=self.tp_group)
+        head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
+        return TorchSideOptimizer(self.policy_params, **pkw, **groups), head
+
+    def _on_device(self, batch: dict) -> dict:
+        dev = self.device.device
+        return {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     # ------------------------------------------------------------------ forward
     def _forward(self, mb: dict) -> torch.Tensor:
         return self.model(mb["input_ids"], mb["position_ids"], mb["megatron_mask"])  # [B, S, V_local]
 
+    def _check_packing(self, batch: dict) -> None:
+        if batch.get("segment_ids") is not None and not self.args.family.supports_packed_sequences:
+            from .batch_layout import BatchError
+
+            raise BatchError(f"batch['segment_ids'] (packed sequences) cannot be used with a {self.args.family.name} "
+                             "model: its mixers do not respect segment boundaries; allowed: one sequence per row")
+
     @torch.no_grad()
     def compute_logprobs(self, batch: dict) -> torch.Tensor:
         validate_batch(batch, ("input_ids", "attention_mask"))
-        batch = prepare(batch)
+        self._check_packing(batch)
+        batch = self._on_device(prepare(batch))
         self.model.eval()
         out = []
         for mb in micro_batches(batch, self.cfg.micro_batch_size):
             out.append(token_logprobs(self._forward(mb), mb["input_ids"]))
             if self.capture:
                 self.capture.clear()
-        return torch.cat(out, 0)
+        return torch.cat(out, 0).cpu()
 
     # ------------------------------------------------------------------ training
     def _global_sum(self, x: float) -> float:
-        t = torch.tensor(float(x), dtype=torch.float64)
+        t = torch.tensor(float(x), dtype=torch.float64, device=self.device.device)  # NCCL needs it on the GPU
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(t, group=self.dp_group)
         return float(t)
@@ -152,23 +205,24 @@ class MegatronPolicy:
         if not isinstance(train_head, bool):
             raise ValueError(f"train_head={train_head!r} is invalid: expected True or False")
         validate_batch(batch, REQUIRED_TRAIN_KEYS[policy_loss])
-        batch = prepare(batch)
+        self._check_packing(batch)
+        batch = self._on_device(prepare(batch))
         self.model.train()
         head_on = self.capture is not None and train_head
         counts = {"tokens": max(self._global_sum(batch["loss_mask"].float().sum()), 1.0),
                   "sequences": max(self._global_sum(_sequences_with_tokens(batch["loss_mask"])), 1.0)}
         spec, n_draft = None, 0.0
         if head_on:
-            from ..mtp.draft_head import DraftLossSpec
-            from ..mtp.masks import draft_position_mask
+            from ..mtp.draft_head import DraftLossSpec, draft_positions
 
             spec = DraftLossSpec(self.cfg.mtp_loss_type, self.cfg.mtp_num_depths, self.cfg.mtp_loss_topk,
-                                 self.cfg.mtp_loss_chunk_size)
-            for d in range(1, spec.num_depths + 1):
-                n_draft += float(draft_position_mask(batch["loss_mask"], d, batch.get("segment_ids")).sum())
+                                 self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction)
+            for d in range(1, spec.num_depths + 1):   # the positions the loss really covers (normaliser)
+                n_draft += float(draft_positions(batch["loss_mask"], d, batch.get("segment_ids"), batch["input_ids"],
+                                                 spec.position_fraction)[0].numel())
             n_draft = max(self._global_sum(n_draft), 1.0)
-            self.head_opt.zero_grad(set_to_none=True)
-        self.policy_opt.zero_grad(set_to_none=True)
+            self.head_side.zero_grad()
+        self.policy_side.zero_grad()
         fn_metrics: dict[str, float] = {}
         depth_stats: list[list[float]] = []
         policy_loss_total = 0.0
@@ -197,17 +251,15 @@ class MegatronPolicy:
                 for i in range(3):
                     acc[i] += vals[i]
         metrics = {k: self._global_sum(v) / counts["tokens"] for k, v in fn_metrics.items()}
-        allreduce_grads(self.policy_params, self.dp_group)
+        self.policy_side.reduce_grads()
         metrics["policy/loss"] = self._global_sum(policy_loss_total)
-        metrics["policy/grad_norm"] = clip_grad_norm(self.policy_params, self.cfg.policy_grad_clip, self.tp_group)
         metrics["policy/lr"] = self.policy_sched.get_last_lr()[0]
-        self.policy_opt.step()
+        metrics["policy/grad_norm"] = self.policy_side.step()  # clip over the policy's params only, then step
         self.policy_sched.step()
         if head_on:
-            allreduce_grads(self.head_params, self.dp_group)
-            metrics["mtp/grad_norm"] = clip_grad_norm(self.head_params, self.cfg.head_grad_clip, self.tp_group)
+            self.head_side.reduce_grads()
             metrics["mtp/lr"] = self.head_sched.get_last_lr()[0]
-            self.head_opt.step()
+            metrics["mtp/grad_norm"] = self.head_side.step()
             self.head_sched.step()
             loss_sum, n_tok = (self._global_sum(sum(d[i] for d in depth_stats)) for i in range(2))
             metrics["mtp/loss"] = loss_sum / max(n_tok, 1.0)
@@ -219,21 +271,65 @@ class MegatronPolicy:
         return metrics
 
     # ------------------------------------------------------------------ weights
-    def _gather_tp(self) -> list[dict[str, torch.Tensor]]:
-        local = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
-        if self.cfg.tp == 1:
-            return [local]
-        shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(self.cfg.tp)]
-        for n, t in local.items():
-            parts = [torch.empty_like(t) for _ in range(self.cfg.tp)]
-            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-            for r in range(self.cfg.tp):
-                shards[r][n] = parts[r]
-        return shards
+    def _rules(self, which: str | None) -> dict:
+        if which is None:
+            return self.weight_rules
+        if which not in WEIGHT_STREAMS:
+            raise ValueError(f"which={which!r} is invalid; allowed: {WEIGHT_STREAMS}")
+        draft = which == "draft"
+        return {mg: r for mg, r in self.weight_rules.items() if mg.startswith(HEAD_PREFIX) == draft}
+
+    def _iter_hf(self, rules: dict):
+        params = dict(self.model.named_parameters())
+        for mg, rule in rules.items():
+            t = params[mg].detach()
+            if self.cfg.tp == 1:
+                parts = [t.to("cpu", copy=True)]  # a copy: the consumer must not alias a live parameter
+            else:
+                gathered = [torch.empty_like(t) for _ in range(self.cfg.tp)]
+                dist.all_gather(gathered, t.contiguous(), group=self.tp_group)  # on the rank's device
+                parts = [g.cpu() for g in gathered]
+            for name, full in zip(rule.hf_names, rule.to_hf(parts)):
+                yield name, full.contiguous()
+
+    def iter_hf_weights(self, which: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full CPU tensor) pairs of the "main" model or the "draft" (MTP) head, in layer order,
+        one Megatron parameter gathered over TP at a time (extra memory: one parameter's full tensors).
+
+        A collective over the TP group: every TP rank must iterate it to the end together; every rank
+        receives the full tensors (the consumer on rank 0 uses them, the others drop them)."""
+        return self._iter_hf(self._rules(which))  # ``which`` is checked now, not at the first next()
+
+    def _hf_layout(self, rules: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        params = dict(self.model.named_parameters())
+        return [(n, self._hf_shapes[n], params[mg].dtype) for mg, r in rules.items() for n in r.hf_names]
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights (main + MTP) on CPU."""
-        return megatron_to_hf(self._gather_tp(), self.args, self.mtp_layers)
+        """Full HF-named weights (main + MTP) on CPU (the whole model in memory: prefer ``iter_hf_weights``)."""
+        return dict(self._iter_hf(self.weight_rules))
+
+    def _export_hf_streaming(self, ckpt_dir: str) -> None:
+        """The HF export of a checkpoint, written tensor by tensor from the TP-gathered stream (rank 0
+        writes; every TP rank iterates); the draft-head export keeps only the (small) MTP tensors."""
+        from .megatron.hf_export import write_safetensors_stream
+
+        draft: dict[str, torch.Tensor] = {}
+        want_draft = self.cfg.export_draft_head and self.mtp_layers > 0
+
+        def stream():
+            for name, t in self._iter_hf(self.weight_rules):
+                if want_draft and self.args.family.is_mtp_hf_name(name):
+                    draft[name] = t
+                yield name, t
+
+        if self.rank == 0 and self.cfg.export_hf:
+            out = ckpt.copy_hf_side_files(Path(ckpt_dir) / "hf", self.hf_path)
+            write_safetensors_stream(out / "model.safetensors", self._hf_layout(self.weight_rules), stream())
+        else:
+            for _ in stream():
+                pass
+        if self.rank == 0 and want_draft:
+            ckpt.export_draft_head(Path(ckpt_dir) / "draft_head", draft, self.hf_path)
 
     def _rng_state(self) -> dict:
         from megatron.core import tensor_parallel
@@ -243,18 +339,15 @@ class MegatronPolicy:
     def save_checkpoint(self, ckpt_dir: str) -> None:
         state = {
             "step": self.step,
-            "model": {n: p.detach().clone() for n, p in self.model.named_parameters()},
-            "policy_opt": self.policy_opt.state_dict(), "policy_sched": self.policy_sched.state_dict(),
-            "head_opt": self.head_opt.state_dict() if self.head_opt else None,
+            "model": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()},
+            "policy_opt": self.policy_side.state_dict(), "policy_sched": self.policy_sched.state_dict(),
+            "head_opt": self.head_side.state_dict() if self.head_side else None,
             "head_sched": self.head_sched.state_dict() if self.head_sched else None,
             "rng": self._rng_state(), "cfg": self.cfg.to_dict(),
         }
         ckpt.save_train_state(ckpt_dir, self.rank, state)
-        hf = self.export_weights()
-        if self.rank == 0:
-            ckpt.export_hf(Path(ckpt_dir) / "hf", hf, self.hf_path)
-            if self.mtp_layers > 0:
-                ckpt.export_draft_head(Path(ckpt_dir) / "draft_head", hf, self.hf_path)
+        if self.cfg.export_hf or (self.cfg.export_draft_head and self.mtp_layers > 0):
+            self._export_hf_streaming(ckpt_dir)  # collective over TP ranks: every rank takes part
         if dist.get_world_size() > 1:
             dist.barrier()
 
@@ -263,12 +356,12 @@ class MegatronPolicy:
 
         state = ckpt.load_train_state(ckpt_dir, self.rank)
         load_into_model(self.model, state["model"])
-        self.policy_opt.load_state_dict(state["policy_opt"])
+        self.policy_side.load_state_dict(state["policy_opt"])
         self.policy_sched.load_state_dict(state["policy_sched"])
         if self.head_opt is not None:
             if state["head_opt"] is None:
                 raise ValueError(f"checkpoint {ckpt_dir!r} has no MTP head optimizer state but this worker trains one")
-            self.head_opt.load_state_dict(state["head_opt"])
+            self.head_side.load_state_dict(state["head_opt"])
             self.head_sched.load_state_dict(state["head_sched"])
         torch.set_rng_state(state["rng"]["torch"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])

@@ -1,9 +1,10 @@
 """`EngineClient`: the driver's handle on N `InferenceEngine` actors.
 
 It validates requests before they reach an engine, spreads prompts over engines (least-loaded,
-counted in sequences in flight), pushes weight updates to every engine (after checking them
-against the engines' weight schema, so a bad update changes nothing), and owns the acceptance
-metrics window, whose counters it sums over engines.
+counted in sequences in flight), owns the acceptance metrics window (counters summed over engines),
+and the engines' side of the weight sync: what a sync carries, the colocation sleep/wake calls, and a
+driver-side push of weights held in memory (tests, CPU) through the same vLLM weight-transfer calls
+the policy's ranks make every step (rollout/weight_transfer/policy_link.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,15 +21,12 @@ from skyrl_mtp.rollout.config import EngineConfig, check_checkpoint, check_engin
 from skyrl_mtp.rollout.engine import InferenceEngine
 from skyrl_mtp.rollout.sampling import GenerationOutput, SamplingSpec, validate_prompts
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, SpecMetricsWindow, sum_counters
-from skyrl_mtp.rollout.weight_sync import (
-    NcclGroupLayout,
-    WeightSchema,
-    describe_tensors,
-    drafter_subset,
-    nccl_group_layout,
-    serialize_weights,
-    validate_update,
-)
+from skyrl_mtp.rollout.weight_sync import WeightSchema
+from skyrl_mtp.rollout.weight_transfer.registration import CPU_BACKEND
+
+# vLLM's sleep level for colocated engines: 2 drops the weights too (not offloaded to host memory), since
+# every sync rewrites all of them; then wake "weights", sync, wake "kv_cache" (vLLM's documented RL order).
+COLOCATED_SLEEP_LEVEL = 2
 
 
 def assign_least_loaded(num_items: int, loads: list[int], weight: int = 1) -> list[int]:
@@ -62,6 +60,8 @@ class EngineClient:
         self.engine_infos = infos
         self._loads = [0] * len(actors)
         self.last_sync_seconds: float | None = None
+        self.last_sync_stats: dict[str, float] = {}
+        self._driver_sender: Any = None
         self.metrics = SpecMetricsWindow(self._scrape_counters, cfg.num_speculative_tokens)
 
     @classmethod
@@ -162,58 +162,89 @@ class EngineClient:
 
     # ---- weight sync ---------------------------------------------------------------------
 
-    def validate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+    @property
+    def sync_parts(self) -> list[str]:
+        """A sync pushes the main model, then (engines that draft) the MTP drafter."""
+        return ["main", "draft"] if self.cfg.num_speculative_tokens > 0 else ["main"]
+
+    @property
+    def transfer_world_size(self) -> int:
+        """The transfer group: the sender (rank 0) and every worker of every engine."""
+        return 1 + self.num_engines * self.cfg.workers_per_engine
+
+    def release_driver_sender(self) -> None:
+        if self._driver_sender is not None:
+            self._driver_sender.shutdown()
+            self._driver_sender = None
+
+    def sync_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Push weights held in this process (an HF-named dict) to every engine, main model and drafter, through
+        vLLM's weight-transfer API with this process as the trainer side, then reset the prefix caches.
+
+        CPU transport only (the policy's ranks send on GPU clusters). Checked before anything moves: a refused
+        update raises WeightSyncError naming the tensor and the engines keep their weights."""
+        t0 = time.perf_counter()
+        stats = self.push_weights(named_tensors)
+        self.reset_prefix_cache()
+        self.last_sync_seconds = time.perf_counter() - t0
+        self.last_sync_stats = stats
+        return stats
+
+    def push_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """`sync_weights` without the prefix-cache reset (for a caller that orders it, e.g. StepSync)."""
+        import ray
+
+        from skyrl_mtp.rollout.weight_transfer.sources import DictWeightSource
+
         if not isinstance(named_tensors, Mapping) or not named_tensors:
             raise ValueError(f"named_tensors must be a non-empty dict of HF name -> tensor, got "
                              f"{type(named_tensors).__name__}")
-        validate_update(describe_tensors(named_tensors), self.schema, self.cfg.dtype, self._optional_names())
+        if self.cfg.weight_transfer_backend != CPU_BACKEND:
+            raise RuntimeError(f"EngineClient.sync_weights pushes from the driver over the {CPU_BACKEND!r} transport; "
+                               f"these engines use {self.cfg.weight_transfer_backend!r}: sync from the policy's ranks "
+                               "(PolicyEngineLink)")
+        sources = {part: DictWeightSource(named_tensors, part) for part in self.sync_parts}
+        if self._driver_sender is None:
+            from skyrl_mtp.net import free_port
+            from skyrl_mtp.rollout.weight_transfer.engine_actors_client import EngineActorsClient
+            from skyrl_mtp.rollout.weight_transfer.sender import WeightSender
+            from skyrl_mtp.rollout.weight_transfer.transport import trainer_init_info
 
-    def _optional_names(self) -> list[str]:
-        """Without a drafter the engine does not serve the MTP head: a policy that has none may omit it."""
-        return drafter_subset(list(self.schema)) if self.cfg.num_speculative_tokens == 0 else []
-
-    def sync_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """Reload main model AND MTP drafter on every engine, then reset their prefix caches (CPU path).
-
-        The update is checked against the engines' weights first; if it is rejected nothing changes.
-        """
-        import ray
-
-        self.validate_weights(named_tensors)
-        t0 = time.perf_counter()
-        blob_ref = ray.put(serialize_weights(named_tensors))
-        ray.get([a.load_weights_bytes.remote(blob_ref) for a in self._actors])
-        self.last_sync_seconds = time.perf_counter() - t0
-
-    def begin_nccl_group(self, master_addr: str, master_port: int) -> tuple[NcclGroupLayout, list[Any]]:
-        """Start every engine worker joining the weight-update group (GPU path).
-
-        Returns the layout (rank 0 = the sender, `layout.world_size` ranks) and the engines' pending
-        join calls: build `NcclWeightSender(master_addr, master_port, layout.world_size)` in the policy's
-        rank-0 process, then `ray.get` the returned refs.
-        """
-        layout = nccl_group_layout([self.cfg.tensor_parallel_size] * self.num_engines)
-        refs = [a.init_nccl_group.remote(master_addr, master_port, off, layout.world_size)
-                for a, off in zip(self._actors, layout.engine_rank_offsets)]
-        return layout, refs
-
-    def sync_weights_nccl(self, plan: list[tuple[str, list[int], str]], send: Callable[[], Any]) -> None:
-        """GPU path: engines receive `plan` (weight_sync.broadcast_plan of the sender's tensors) while
-        `send()` makes rank 0 broadcast them; then main model and drafter are reloaded and caches reset."""
-        import ray
-
-        validate_update({name: (tuple(shape), dtype) for name, shape, dtype in plan}, self.schema, self.cfg.dtype,
-                        self._optional_names())
-        t0 = time.perf_counter()
-        refs = [a.receive_weights_nccl.remote(plan) for a in self._actors]
-        send()
-        ray.get(refs)
-        self.last_sync_seconds = time.perf_counter() - t0
+            addr = ray.util.get_node_ip_address()
+            info = trainer_init_info(CPU_BACKEND, rank=0, master_address=addr, master_port=free_port(addr),
+                                     world_size=self.transfer_world_size)
+            self._driver_sender = WeightSender(info, EngineActorsClient(self._actors, self.cfg.workers_per_engine),
+                                               sources, self.sync_parts, self.schema, self.cfg.dtype)
+        return self._driver_sender.push(sources)
 
     def reset_prefix_cache(self) -> None:
         import ray
 
         ray.get([a.reset_prefix_cache.remote() for a in self._actors])
+
+    def sleep(self, level: int = COLOCATED_SLEEP_LEVEL) -> None:
+        """Colocation: release the engines' GPU memory while the policy trains (a no-op in vLLM's CPU worker)."""
+        import ray
+
+        ray.get([a.sleep.remote(level) for a in self._actors])
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Colocation: wake ["weights"] before a sync, ["kv_cache"] after it."""
+        import ray
+
+        ray.get([a.wake_up.remote(list(tags)) for a in self._actors])
+
+    def weight_digests(self) -> list[dict[str, str]]:
+        """Per engine: sha256 of every parameter and buffer of its target model and MTP drafter (worker 0)."""
+        import ray
+
+        return ray.get([a.weight_digest.remote() for a in self._actors])
+
+    def lifecycle(self) -> list[list[tuple]]:
+        """Each engine's sync/sleep calls into vLLM, in order."""
+        import ray
+
+        return ray.get([a.lifecycle.remote() for a in self._actors])
 
     # ---- metrics / lifecycle -------------------------------------------------------------
 
@@ -227,6 +258,7 @@ class EngineClient:
         return sum_counters(self.per_engine_counters())
 
     def shutdown(self) -> None:
+        self.release_driver_sender()
         _stop_actors(self._actors)
         self._actors = []
 

@@ -19,6 +19,7 @@ MANAGED_ENGINE_KWARGS = (
     "model",
     "tokenizer",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
     "speculative_config",
     "max_model_len",
     "max_num_seqs",
@@ -28,6 +29,8 @@ MANAGED_ENGINE_KWARGS = (
     "seed",
     "worker_extension_cls",
     "disable_log_stats",
+    "weight_transfer_config",
+    "per_request_spec_decode_metrics",
 )
 
 
@@ -44,11 +47,18 @@ class EngineConfig:
     draft_invariant_sampling: on CPU, sample a request's t-th token with noise keyed to t whatever was
     drafted (skyrl_mtp.rollout.draft_invariant_sampling): seeded spec rollouts equal non-spec ones.
     engine_kwargs: extra `vllm` engine arguments, merged into the managed ones (no overrides).
+    draft_sample_method: "greedy" (vLLM's default) or "probabilistic" drafts; with probabilistic drafts the
+    draft-invariant coupling does not apply (rollout.draft_invariant_sampling falls back to vLLM's own
+    coupling for those steps, with a warning at engine start).
+    adaptive_speculation: num_speculative_tokens is then the MAXIMUM k; the k of each engine step is chosen
+    from the running batch, live acceptance and timings measured on the engine
+    (skyrl_mtp.rollout.adaptive_speculation), down to 0 (drafter not run).
     """
 
     model_path: str
     num_engines: int = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     num_speculative_tokens: int = 0
     max_model_len: int = 1024
     max_num_seqs: int = 64
@@ -59,12 +69,18 @@ class EngineConfig:
     cpu_sampling_fix: bool = True
     draft_invariant_sampling: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    adaptive_speculation: bool = False
+    draft_sample_method: str = "greedy"
+    # vLLM weight-transfer backend of the engines' workers, picked by rollout/weight_transfer/transport.py
+    # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
+    weight_transfer_backend: str = "skyrl_cpu"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, Path)) or not str(self.model_path):
             raise _bad("model_path", self.model_path, "a non-empty path to an HF checkpoint directory")
         self.model_path = str(self.model_path)
-        for name, low in (("num_engines", 1), ("tensor_parallel_size", 1), ("max_model_len", 2),
+        for name, low in (("num_engines", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1),
+                          ("max_model_len", 2),
                           ("max_num_seqs", 1), ("kv_cache_memory_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -77,9 +93,24 @@ class EngineConfig:
             raise _bad("dtype", self.dtype, f"one of {DTYPES}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "an int")
-        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling"):
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise _bad("draft_sample_method", self.draft_sample_method, "'greedy' or 'probabilistic'")
+        if self.draft_sample_method == "probabilistic" and self.draft_invariant_sampling and k > 0:
+            import warnings
+
+            warnings.warn("draft_sample_method='probabilistic': sampled drafts come with draft probabilities, which "
+                          "the draft-invariant coupling does not cover; vLLM's own rejection-sampling coupling is used "
+                          "for them (lossless in distribution, but seeded spec rollouts no longer equal no-spec ones "
+                          "token for token)", stacklevel=2)
+        if self.adaptive_speculation is True and k < 1:
+            raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
+        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
+        from skyrl_mtp.rollout.weight_transfer.transport import BACKENDS
+
+        if self.weight_transfer_backend not in BACKENDS:
+            raise _bad("weight_transfer_backend", self.weight_transfer_backend, f"one of {BACKENDS}")
         if not isinstance(self.engine_kwargs, dict):
             raise _bad("engine_kwargs", self.engine_kwargs, "a dict of extra vLLM engine arguments")
         clashes = sorted(set(self.engine_kwargs) & set(MANAGED_ENGINE_KWARGS))
@@ -92,7 +123,15 @@ class EngineConfig:
     def speculative_config(self) -> dict[str, Any] | None:
         if self.num_speculative_tokens == 0:
             return None
-        return {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
+        spec = {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
+        if self.draft_sample_method != "greedy":
+            spec["draft_sample_method"] = self.draft_sample_method
+        if self.adaptive_speculation:   # vLLM's dynamic-K scheduling; the worker hook picks K per step
+            from skyrl_mtp.rollout.adaptive_speculation import dynamic_schedule
+
+            spec["num_speculative_tokens_per_batch_size"] = dynamic_schedule(self.num_speculative_tokens,
+                                                                             self.max_num_seqs)
+        return spec
 
     def managed_engine_kwargs(self, worker_extension_cls: str) -> dict[str, Any]:
         """The vLLM engine arguments this config sets (engine_kwargs come on top)."""
@@ -100,6 +139,7 @@ class EngineConfig:
             "model": self.model_path,
             "tokenizer": self.model_path,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "speculative_config": self.speculative_config,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
@@ -109,7 +149,14 @@ class EngineConfig:
             "seed": self.seed,
             "worker_extension_cls": worker_extension_cls,
             "disable_log_stats": False,
+            "weight_transfer_config": {"backend": self.weight_transfer_backend},
+            # per-request drafted/accepted counts (multi-turn rollouts report acceptance per turn)
+            "per_request_spec_decode_metrics": "summary" if self.num_speculative_tokens else "none",
         }
+
+    @property
+    def workers_per_engine(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def read_hf_config(model_path: str | Path) -> dict[str, Any]:
@@ -124,12 +171,14 @@ def check_checkpoint(cfg: EngineConfig) -> dict[str, Any]:
     """Check that the checkpoint can serve `cfg`; returns its config.json. Reads files only."""
     hf_config = read_hf_config(cfg.model_path)
     if cfg.num_speculative_tokens > 0:
-        n_mtp = hf_config.get("num_nextn_predict_layers") or 0
-        if not isinstance(n_mtp, int) or n_mtp < 1:
+        from skyrl_mtp.models.families import checkpoint_mtp_layers
+
+        key, n_mtp = checkpoint_mtp_layers(hf_config)  # the family's own key (num_nextn_predict_layers, ...)
+        if n_mtp < 1:
             raise ValueError(
                 f"EngineConfig.num_speculative_tokens={cfg.num_speculative_tokens} asks for MTP drafting, but the "
-                f"checkpoint {cfg.model_path!r} has num_nextn_predict_layers={hf_config.get('num_nextn_predict_layers')!r}"
-                f"; allowed: a checkpoint with num_nextn_predict_layers >= 1, or num_speculative_tokens=0")
+                f"checkpoint {cfg.model_path!r} has {key}={n_mtp}"
+                f"; allowed: a checkpoint with {key} >= 1, or num_speculative_tokens=0")
     if not any(Path(cfg.model_path).glob("*.safetensors")):
         raise ValueError(f"EngineConfig.model_path={cfg.model_path!r} is invalid: no *.safetensors weights there")
     return hf_config

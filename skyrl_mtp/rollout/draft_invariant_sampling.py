@@ -239,6 +239,9 @@ def install() -> str:
     cls, constraints = check_vllm()
     if getattr(cls.forward, "__wrapped__", None) is not None:
         return STATE["status"] or "installed"
+    from skyrl_mtp.rollout import vllm_cpu_kernels
+
+    vllm_cpu_kernels.load()     # the build vLLM picks for this CPU; a no-op inside vLLM's worker
     try:
         _ = torch.ops._C.fused_gumbel_argmax
     except (AttributeError, RuntimeError) as e:

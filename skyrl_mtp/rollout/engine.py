@@ -2,8 +2,9 @@
 
 The engine is built inside the actor (vLLM on CPU spawns its own EngineCore and worker processes
 from there). Concurrent `generate` calls share vLLM's continuous batching, so many small requests
-(multi-turn rollouts) batch together. Weight updates go through the worker extension
-(`worker_extension.WeightSyncExtension`); acceptance counters are read from the actor process's
+(multi-turn rollouts) batch together. Weight updates go through vLLM's weight-transfer API (the
+trainer-side engine in the policy's rank 0 drives init / start / update / finish through this actor,
+rollout/weight_transfer/); acceptance counters are read from the actor process's
 Prometheus registry, where vLLM's stat logger records them.
 """
 
@@ -15,9 +16,10 @@ import os
 from typing import Any
 
 from skyrl_mtp.rollout.config import EngineConfig
-from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, SamplingSpec
+from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, counters_from_vllm_metrics
-from skyrl_mtp.rollout.weight_sync import WeightSchema, read_weight_schema
+from skyrl_mtp.rollout.weight_sync import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
+from skyrl_mtp.rollout.weight_transfer.transport import WORKER_CHECKED_BACKENDS
 
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
 CPU_SAMPLING_FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
@@ -37,6 +39,15 @@ def engine_environment(cfg: EngineConfig, engine_index: int, cpu_count: int | No
     return env
 
 
+def colocated_gpu_options(gpu_ids: list[str]) -> dict[str, Any]:
+    """Actor options for an engine that shares its policy ranks' GPUs (it holds 0 Ray GPUs, and Ray would
+    hide every GPU from it): see exactly those GPUs, in its TP rank order."""
+    if not gpu_ids or any(not g for g in gpu_ids):
+        raise ValueError(f"a colocated engine needs the GPU ids of its policy ranks, got {gpu_ids!r}")
+    return {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                         "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}}}
+
+
 def completion_to_output(completion: Any) -> GenerationOutput:
     """vLLM CompletionOutput -> GenerationOutput, picking each sampled token's logprob (logprobs=1)."""
     token_ids = [int(t) for t in completion.token_ids]
@@ -53,7 +64,18 @@ def completion_to_output(completion: Any) -> GenerationOutput:
     if reason not in FINISH_REASONS:
         raise RuntimeError(f"vLLM request ended with finish_reason={reason!r} (expected one of {FINISH_REASONS})")
     return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-                            text=completion.text or "")
+                            text=completion.text or "", spec=request_spec_counts(completion))
+
+
+def request_spec_counts(completion: Any) -> RequestSpecCounts | None:
+    """The request's drafted/accepted counts from vLLM's `CompletionOutput.spec_decode_metrics`
+    (filled when the engine runs with per_request_spec_decode_metrics); None when absent."""
+    m = getattr(completion, "spec_decode_metrics", None)
+    if m is None:
+        return None
+    hist = list(m.histogram)   # hist[j] = verify steps that accepted j drafts
+    return RequestSpecCounts(num_steps=int(sum(hist)), num_draft_tokens=int(m.num_draft_tokens),
+                             num_accepted_tokens=int(sum(j * c for j, c in enumerate(hist))))
 
 
 def applied_engine_kwargs(vllm_config: Any, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +113,19 @@ class InferenceEngine:
         self.schema: WeightSchema = read_weight_schema(cfg.model_path)
         kwargs = {**cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS), **cfg.engine_kwargs}
         kwargs.update({k: v for k, v in cpu_scheduler_defaults(cfg).items() if k not in cfg.engine_kwargs})
+        import torch
+
+        from skyrl_mtp.models.families import FAMILY_ENV, engine_kwargs_for_family, serving_family
+
+        family = serving_family(cfg.model_path)  # what vLLM needs for this model family (e.g. Qwen3.5), if any
+        if family is not None:
+            kwargs = engine_kwargs_for_family(family, kwargs, cfg.engine_kwargs, on_cpu=not torch.cuda.is_available())
+            family.prepare_vllm_import()
+            os.environ[FAMILY_ENV] = family.name  # the workers make the same preparation (worker_extension.py)
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._request_ids = itertools.count()
+        self._session: dict[str, Any] | None = None
+        self._lifecycle: list[tuple] = []
         self._in_flight = 0
         self._closed = False
 
@@ -103,10 +136,15 @@ class InferenceEngine:
         if has_drafter != (self.cfg.num_speculative_tokens > 0):
             raise RuntimeError(f"engine {self.engine_index}: num_speculative_tokens="
                                f"{self.cfg.num_speculative_tokens} but drafter present={has_drafter}")
+        adaptive = None
+        if self.cfg.adaptive_speculation:   # after model load: the hook wraps the runner and its drafter
+            adaptive = (await self._engine.collective_rpc("skyrl_install_adaptive_speculation"))[0]
         return {"engine_index": self.engine_index, "schema": self.schema, "pid": os.getpid(),
+                "adaptive_speculation": adaptive,
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
+                "vllm_kernel_build": checks[0]["vllm_kernel_build"],
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}
 
     async def generate(self, prompts: list[list[int]], spec: SamplingSpec,
@@ -137,6 +175,8 @@ class InferenceEngine:
 
     async def spec_counters(self) -> SpecCounters:
         """Cumulative counters of this engine; waits until vLLM's output handler has recorded the last step."""
+        from dataclasses import replace
+
         from vllm.v1.metrics.reader import get_metrics_snapshot
 
         prev = None
@@ -144,31 +184,100 @@ class InferenceEngine:
             await asyncio.sleep(0.002)
             cur = counters_from_vllm_metrics(get_metrics_snapshot())
             if cur == prev and self._in_flight == 0:
-                return cur
+                break
             prev = cur
-        return prev
+        cur = prev   # the last snapshot (stable, or the latest after 50 tries)
+        if self.cfg.adaptive_speculation:
+            stats = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
+            cur = replace(cur, speculation_steps=float(stats["steps"]), speculation_k_sum=float(stats["k_sum"]))
+        return cur
 
-    async def load_weights_bytes(self, blob: bytes) -> float:
-        """Reload main model + drafter from a (validated) safetensors blob, then reset the prefix cache."""
-        import time
+    async def adaptive_speculation_stats(self) -> dict[str, Any] | None:
+        """The worker's adaptive-speculation state (k histogram, acceptance per position), or None."""
+        if not self.cfg.adaptive_speculation:
+            return None
+        return (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
 
-        self._require_idle("load weights")
-        t0 = time.perf_counter()
-        await self._engine.collective_rpc("skyrl_load_weights_bytes", args=(blob,))
-        await self._engine.reset_prefix_cache()
-        return time.perf_counter() - t0
+    # ---- weight sync: vLLM's weight-transfer API (the trainer-side engine drives these) --------------
 
-    async def init_nccl_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> list[int]:
-        return await self._engine.collective_rpc("skyrl_init_nccl_group",
-                                                 args=(master_addr, master_port, rank_offset, world_size))
+    def _log(self, *event: Any) -> None:
+        self._lifecycle.append(event)
 
-    async def receive_weights_nccl(self, plan: list[tuple[str, list[int], str]]) -> None:
-        self._require_idle("receive weights")
-        await self._engine.collective_rpc("skyrl_receive_weights_nccl", args=(plan,))
-        await self._engine.reset_prefix_cache()
+    async def weight_digest(self) -> dict[str, str]:
+        return (await self._engine.collective_rpc("skyrl_weight_digest"))[0]
+
+    async def lifecycle(self) -> list[tuple]:
+        """The sync/sleep calls this engine made into vLLM, in order (the colocation test reads it)."""
+        return list(self._lifecycle)
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._log("init_weight_transfer_engine")
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
+
+    async def start_weight_update(self, draft: bool = False) -> None:
+        """Opens a session on the main model (`draft=False`) or the MTP drafter. vLLM's GPU transports
+        start their layerwise reload at start; the session reaches vLLM with the first update, after it
+        has been checked, so a refused update leaves the model untouched."""
+        self._require_idle("update weights")
+        if self._session is not None:
+            raise RuntimeError(f"engine {self.engine_index}: a weight update ({self._session['part']}) is already "
+                               "open; finish it first")
+        self._session = {"part": "draft" if draft else "main", "started": False}
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        session = self._session
+        if session is None:
+            raise RuntimeError(f"engine {self.engine_index}: update_weights without start_weight_update")
+        if self.cfg.weight_transfer_backend not in WORKER_CHECKED_BACKENDS:
+            try:
+                for info in update_info if isinstance(update_info, list) else [update_info]:
+                    check_update_info(info, self.schema, session["part"], self.cfg.dtype)
+            except WeightSyncError:
+                if not session["started"]:
+                    self._session = None
+                raise
+        try:
+            if not session["started"]:
+                if session["part"] == "draft":
+                    self._log("start_draft_weight_update")
+                    await self._engine.start_draft_weight_update()
+                else:
+                    self._log("start_weight_update")
+                    await self._engine.start_weight_update()
+                session["started"] = True
+            self._log("update_weights", session["part"])
+            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        except BaseException:
+            self._session = None   # vLLM closed its session (refused or failed): nothing to finish
+            raise
+
+    async def finish_weight_update(self) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            raise RuntimeError(f"engine {self.engine_index}: finish_weight_update without start_weight_update")
+        if session["started"]:
+            self._log("finish_weight_update", session["part"])
+            await self._engine.finish_weight_update()
 
     async def reset_prefix_cache(self) -> None:
+        """Required after every weight update: cached KV blocks were computed with the old weights."""
+        self._log("reset_prefix_cache")
         await self._engine.reset_prefix_cache()
+
+    # ---- colocation: vLLM's sleep mode (no-ops in vLLM's CPU worker, the calls are made all the same) ----
+
+    async def sleep(self, level: int) -> None:
+        self._require_idle("sleep")
+        self._log("sleep", level)
+        await self._engine.sleep(level=level)
+
+    async def wake_up(self, tags: list[str]) -> None:
+        self._log("wake_up", tuple(tags))
+        await self._engine.wake_up(tags=list(tags))
 
     async def shutdown(self) -> None:
         if not self._closed:

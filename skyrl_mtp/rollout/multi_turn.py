@@ -4,21 +4,33 @@ appended as tool tokens, and so on until an answer, max_turns or the length budg
 Each turn is an ordinary call to the same EngineClient (speculative decoding included, so acceptance metrics
 count every turn). Tool-output tokens get loss_mask 0 so neither the policy loss nor the draft loss
 (which masks by loss_mask) trains on them. All trajectories of a batch run as concurrent coroutines.
+
+A retriever that cannot answer (down, or slower than its timeout after the client's retries) is handled by
+`on_retriever_error`: "score" ends that trajectory with finish "search_failed" (no answer, so reward 0) and
+counts it; "raise" stops the run with `RetrieverFailedError`. Either way every call is bounded in time.
+Per-turn metrics: draft acceptance of the first turn vs the turns that follow a tool result (from vLLM's
+per-request spec-decode counts), searches per trajectory, answer-after-search rate, retriever latency.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from skyrl_mtp.envs.retriever.client import RetrieverError
 from skyrl_mtp.envs.search_tool import STOP_STRINGS, information_block, parse_last_action, search_failure_text
+from skyrl_mtp.trainer.errors import RunStoppedError
 
 RETRIEVER_ERROR_POLICIES = ("score", "raise")
-FINISH_REASONS = ("answer", "max_turns", "length", "no_action")
+FINISH_REASONS = ("answer", "max_turns", "length", "no_action", "search_failed")
+
+
+class RetrieverFailedError(RunStoppedError):
+    """The retriever could not answer and environment.search.on_failure=raise: the run stops."""
 
 
 class SearchBackend(Protocol):
@@ -38,6 +50,9 @@ class SearchTrajectory:
     finish_reason: str          # one of FINISH_REASONS
     final_answer: str | None
     queries: list[str] = field(default_factory=list)
+    turn_spec: list = field(default_factory=list)          # per policy turn: RequestSpecCounts | None
+    search_latencies_s: list[float] = field(default_factory=list)   # per retriever call
+    num_search_timeouts: int = 0                                   # retriever calls that failed on a timeout
 
     @property
     def response_ids(self) -> list[int]:
@@ -68,20 +83,57 @@ class MultiTurnBatch:
         return out
 
 
+def acceptance_metrics(counts: list, prefix: str) -> dict[str, float]:
+    """Draft acceptance rate and mean acceptance length (accepted drafts + the bonus token per verify step)
+    over per-request counts; {} when none of them drafted."""
+    counts = [c for c in counts if c is not None]
+    steps = sum(c.num_steps for c in counts)
+    drafted = sum(c.num_draft_tokens for c in counts)
+    if not steps or not drafted:
+        return {}
+    accepted = sum(c.num_accepted_tokens for c in counts)
+    return {f"{prefix}/draft_acceptance_rate": accepted / drafted,
+            f"{prefix}/mean_acceptance_length": 1.0 + accepted / steps,
+            f"{prefix}/num_drafts": float(steps)}
+
+
 def summarize(trajectories: list[SearchTrajectory]) -> dict[str, float]:
     n = max(len(trajectories), 1)
     finishes = Counter(t.finish_reason for t in trajectories)
     policy = sum(sum(t.loss_mask) for t in trajectories)
     tool = sum(len(t.token_ids) - t.prompt_len - sum(t.loss_mask) for t in trajectories)
+    answered = [t for t in trajectories if t.finish_reason == "answer"]
+    latencies = [x for t in trajectories for x in t.search_latencies_s]
     metrics = {
         "multi_turn/num_turns_mean": sum(t.num_turns for t in trajectories) / n,
         "multi_turn/num_searches_mean": sum(t.num_searches for t in trajectories) / n,
         "multi_turn/search_failures": float(sum(t.num_search_failures for t in trajectories)),
+        "multi_turn/search_timeouts": float(sum(t.num_search_timeouts for t in trajectories)),
         "multi_turn/policy_tokens_mean": policy / n,
         "multi_turn/tool_tokens_mean": tool / n,
+        # answered after reading at least one successful search / answered without any
+        "multi_turn/answer_after_search_frac": sum(t.num_searches > t.num_search_failures for t in answered) / n,
+        "multi_turn/answer_without_search_frac": sum(t.num_searches == 0 for t in answered) / n,
     }
+    if latencies:
+        metrics["multi_turn/retriever_latency_mean_s"] = sum(latencies) / len(latencies)
+        metrics["multi_turn/retriever_latency_max_s"] = max(latencies)
     metrics.update({f"multi_turn/finish_{r}_frac": finishes.get(r, 0) / n for r in FINISH_REASONS})
+    # the first turn reads only the prompt; every later turn starts right after a tool result
+    metrics.update(acceptance_metrics([t.turn_spec[0] for t in trajectories if t.turn_spec], "multi_turn/first_turn"))
+    metrics.update(acceptance_metrics([c for t in trajectories for c in t.turn_spec[1:]], "multi_turn/after_tool"))
+    for turn in range(1, 1 + max((len(t.turn_spec) for t in trajectories), default=0)):
+        metrics.update(acceptance_metrics([t.turn_spec[turn - 1] for t in trajectories if len(t.turn_spec) >= turn],
+                                          f"multi_turn/turn_{turn}"))
     return metrics
+
+
+def single_token_ids(tokenizer, texts) -> list[int]:
+    """Ids of the `texts` that the tokenizer encodes as ONE token. Stopping on them as stop token ids lets
+    vLLM's scheduler end the turn itself, so the request's spec-decode counts are reported (a stop STRING
+    is matched after the scheduler step and the request is aborted without them)."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return [i[0] for i in ids if len(i) == 1]
 
 
 class MultiTurnSearchGenerator:
@@ -106,6 +158,7 @@ class MultiTurnSearchGenerator:
         self.max_turns, self.sampling = max_turns, sampling
         self.max_total_len, self.on_retriever_error = max_total_len, on_retriever_error
         self._stops = list(dict.fromkeys([*STOP_STRINGS, *(sampling.stop or [])]))
+        self._stop_ids = list(dict.fromkeys([*(sampling.stop_token_ids or []), *single_token_ids(tokenizer, STOP_STRINGS)]))
 
     async def generate(self, prompts: list[list[int]], n_samples: int = 1) -> MultiTurnBatch:
         if not prompts or any(not p for p in prompts):
@@ -124,24 +177,35 @@ class MultiTurnSearchGenerator:
 
     def _turn_sampling(self, job: int, turn: int, budget: int):
         seed = None if self.sampling.seed is None else self.sampling.seed + 7919 * job + turn
-        return dataclasses.replace(self.sampling, stop=self._stops, n=1, seed=seed,
+        return dataclasses.replace(self.sampling, stop=self._stops, stop_token_ids=self._stop_ids, n=1, seed=seed,
                                    max_tokens=min(self.sampling.max_tokens, budget))
 
-    async def _search(self, query: str) -> tuple[str, bool]:
-        """(documents text, failed)."""
+    async def _search(self, query: str, traj: dict) -> str | None:
+        """Documents text; the failure text for an empty query; None when the retriever failed (policy "score")."""
         if not query:
-            return search_failure_text("the query was empty"), True
+            traj["failures"] += 1
+            return search_failure_text("the query was empty")
+        started = time.monotonic()
         try:
-            return (await self.retriever.asearch([query]))[0], False
+            return (await self.retriever.asearch([query]))[0]
         except RetrieverError as e:
+            traj["failures"] += 1
+            traj["timeouts"] += bool(getattr(e, "timed_out", False))
             if self.on_retriever_error == "raise":
-                raise
-            return search_failure_text(str(e)), True
+                raise RetrieverFailedError(
+                    f"the retriever could not answer the search {query!r}: {e}. environment.search.on_failure=raise "
+                    "stops the run; set it to 'score' to score such trajectories 0 and continue, or fix the retriever "
+                    "(environment.search.retriever_url / timeout_s / max_retries)") from e
+            return None
+        finally:
+            traj["latencies"].append(time.monotonic() - started)
 
     async def _rollout(self, job: int, prompt_index: int, prompt: list[int]) -> SearchTrajectory:
         ids, mask, lps = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
-        turns = searches = failures = 0
+        turns = searches = 0
         queries: list[str] = []
+        turn_spec: list = []
+        traj = {"failures": 0, "timeouts": 0, "latencies": []}
         answer, finish = None, None
         while finish is None:
             budget = self.max_total_len - len(ids)
@@ -154,6 +218,7 @@ class MultiTurnSearchGenerator:
                 raise RuntimeError(f"engine returned {len(toks)} tokens but only {len(lp)} logprobs; "
                                    "multi-turn rollouts need the sampled tokens' logprobs")
             turns += 1
+            turn_spec.append(getattr(out, "spec", None))
             ids += toks
             mask += [1] * len(toks)
             lps += [float(x) for x in lp[: len(toks)]]
@@ -167,8 +232,10 @@ class MultiTurnSearchGenerator:
             else:
                 searches += 1
                 queries.append(action.content)
-                docs, failed = await self._search(action.content)
-                failures += failed
+                docs = await self._search(action.content, traj)
+                if docs is None:
+                    finish = "search_failed"   # scored 0: no answer
+                    break
                 info = self.tokenizer.encode(information_block(docs), add_special_tokens=False)
                 if len(ids) + len(info) >= self.max_total_len:
                     finish = "length"   # no room left for another policy turn after the tool output
@@ -176,5 +243,5 @@ class MultiTurnSearchGenerator:
                     ids += info
                     mask += [0] * len(info)
                     lps += [0.0] * len(info)
-        return SearchTrajectory(prompt_index, len(prompt), ids, mask, lps, turns, searches, failures,
-                                finish, answer, queries)
+        return SearchTrajectory(prompt_index, len(prompt), ids, mask, lps, turns, searches, traj["failures"],
+                                finish, answer, queries, turn_spec, traj["latencies"], traj["timeouts"])

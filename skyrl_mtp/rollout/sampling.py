@@ -78,6 +78,15 @@ class SamplingSpec:
         }
 
 
+@dataclass(frozen=True)
+class RequestSpecCounts:
+    """Speculative-decoding counts of ONE request (vLLM's per-request spec-decode metrics)."""
+
+    num_steps: int            # verify steps that checked drafts
+    num_draft_tokens: int     # draft tokens proposed
+    num_accepted_tokens: int  # draft tokens accepted
+
+
 @dataclass
 class GenerationOutput:
     """One sampled continuation: its token ids, the target model's logprob of each, why it ended."""
@@ -86,6 +95,7 @@ class GenerationOutput:
     logprobs: list[float]
     finish_reason: str
     text: str = ""
+    spec: RequestSpecCounts | None = None   # None when the engine does not draft (or did not report)
 
 
 def validate_prompts(prompts: Any, vocab_size: int | None = None, max_model_len: int | None = None) -> None:

@@ -39,6 +39,10 @@ class SpecCounters:
     num_accepted_tokens: float = 0.0
     accepted_per_pos: tuple[float, ...] = ()
     generated_tokens: float = 0.0
+    # adaptive speculation (trainer.mtp.num_speculative_tokens=auto): engine steps decided, and the sum
+    # of the k chosen at them (mean k per step = speculation_k_sum / speculation_steps)
+    speculation_steps: float = 0.0
+    speculation_k_sum: float = 0.0
 
     def _combine(self, other: SpecCounters, sign: float) -> SpecCounters:
         return SpecCounters(
@@ -47,6 +51,8 @@ class SpecCounters:
             num_accepted_tokens=self.num_accepted_tokens + sign * other.num_accepted_tokens,
             accepted_per_pos=_pad_add(self.accepted_per_pos, other.accepted_per_pos, sign),
             generated_tokens=self.generated_tokens + sign * other.generated_tokens,
+            speculation_steps=self.speculation_steps + sign * other.speculation_steps,
+            speculation_k_sum=self.speculation_k_sum + sign * other.speculation_k_sum,
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -108,6 +114,8 @@ def summarize_window(delta: SpecCounters, label: str, num_speculative_tokens: in
     for i in range(1, num_speculative_tokens + 1):
         accepted_i = delta.accepted_per_pos[i - 1] if i <= len(delta.accepted_per_pos) else 0.0
         out[p + f"draft_acceptance_rate_pos_{i}"] = accepted_i / drafts if drafts > 0 else 0.0
+    if delta.speculation_steps > 0:   # adaptive k: the mean number of drafts chosen per engine step
+        out[p + "speculation_k_mean"] = delta.speculation_k_sum / delta.speculation_steps
     return out
 
 

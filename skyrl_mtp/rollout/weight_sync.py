@@ -1,11 +1,10 @@
-"""Moving the policy's weights (HF names) into running engines: checks, wire formats, NCCL sender.
+"""What a weight update must look like: the engine's weight schema and the checks run before anything moves.
 
-A sync must never leave an engine half-updated, so every tensor is checked against the engine's
-weight schema (the names, shapes and dtypes of the HF checkpoint it serves) before anything is
-sent. Two transports share those checks:
-- CPU: one safetensors blob (bytes survive vLLM's RPC, tensors do not), loaded by the worker extension.
-- GPU: NCCL broadcast from the policy's rank 0 to every engine worker over a stateless group
-  (rank 0 = sender, then each engine's TP workers in engine order); the receivers allocate from metadata.
+A sync must never leave an engine half-updated, so every update (its names, shapes and dtypes, as
+declared by the sender's `WeightSource.metadata()`) is checked against the engine's weight schema
+(the tensors of the HF checkpoint it serves) before any tensor is sent or loaded. A sync has two
+parts, pushed as two vLLM weight-update sessions: the main model, and the MTP drafter (which vLLM
+reloads separately: `start_draft_weight_update`).
 """
 
 from __future__ import annotations
@@ -116,65 +115,39 @@ def describe_tensors(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, tup
     return out
 
 
-def serialize_weights(named_tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """One safetensors blob of CPU, contiguous, non-aliased copies (the CPU transport)."""
-    from safetensors.torch import save
-
-    return save({name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors.items()})
-
-
-def deserialize_weights(blob: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(blob)
-
-
 def drafter_subset(names: list[str]) -> list[str]:
     return [n for n in names if any(m in n for m in DRAFTER_NAME_MARKERS)]
 
 
-# ---- NCCL transport (GPU) ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class NcclGroupLayout:
-    """Rank 0 is the policy's sender; engine e's TP worker r is rank `engine_rank_offsets[e] + r`."""
-
-    world_size: int
-    engine_rank_offsets: tuple[int, ...]
+PARTS = ("main", "draft")
 
 
-def nccl_group_layout(engine_tp_sizes: list[int]) -> NcclGroupLayout:
-    if not engine_tp_sizes or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in engine_tp_sizes):
-        raise ValueError(f"engine_tp_sizes={engine_tp_sizes!r} is invalid: a non-empty list of ints >= 1")
-    offsets, rank = [], 1
-    for tp in engine_tp_sizes:
-        offsets.append(rank)
-        rank += tp
-    return NcclGroupLayout(world_size=rank, engine_rank_offsets=tuple(offsets))
+def part_names(names: Collection[str], part: str) -> list[str]:
+    """The names one part of a sync carries (the policy's `iter_hf_weights(part)` streams): "main" =
+    everything but the MTP layers; "draft" = the MTP layers. vLLM's MTP drafter shares the target's
+    embedding and lm_head modules (spec_decode/llm_base_proposer.py, pipeline size 1), so the main part
+    refreshes those for it; the drafter's layerwise reload puts back what it was not sent."""
+    from skyrl_mtp.models.families import is_mtp_hf_name
+
+    if part == "main":
+        return [n for n in names if not is_mtp_hf_name(n)]
+    if part == "draft":
+        return [n for n in names if is_mtp_hf_name(n)]
+    raise ValueError(f"weight-sync part {part!r} is invalid; allowed: {PARTS}")
 
 
-def broadcast_plan(named_tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, list[int], str]]:
-    """The metadata receivers need, in the order the sender broadcasts: (name, shape, dtype name)."""
-    return [(name, list(shape), dtype) for name, (shape, dtype) in describe_tensors(named_tensors).items()]
+def part_schema(schema: WeightSchema, part: str) -> WeightSchema:
+    return {n: schema[n] for n in part_names(list(schema), part)}
 
 
-class NcclWeightSender:
-    """Rank 0 of the weight-update group; lives in the policy's rank-0 process (one GPU).
-
-    Construct it while the engines join (`EngineClient.begin_nccl_group`); it blocks until all ranks
-    have joined. `send` broadcasts tensors in `broadcast_plan` order.
-    """
-
-    def __init__(self, master_addr: str, master_port: int, world_size: int, device: torch.device | int | str = 0):
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        group = StatelessProcessGroup.create(host=master_addr, port=master_port, rank=0, world_size=world_size)
-        self._comm = PyNcclCommunicator(group, device=self.device)
-
-    def send(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        for _name, t in named_tensors.items():
-            self._comm.broadcast(t.detach().to(self.device).contiguous(), src=0, stream=stream)
-        stream.synchronize()
+def check_update_info(update_info: Mapping, schema: WeightSchema, part: str, engine_dtype: str) -> None:
+    """Check one update chunk as vLLM's transports declare it (`names`, `dtype_names`, `shapes`) against one
+    part of the engine's schema. A chunk may carry only some of the part's tensors (IPC packs several
+    chunks per session), so completeness is the sender's check (`validate_update` on its metadata)."""
+    try:
+        names, dtypes, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
+    except (KeyError, TypeError) as err:
+        raise WeightSyncError(f"weight update info lacks names/dtype_names/shapes: {err!r}") from err
+    declared = {n: (tuple(s), d) for n, d, s in zip(names, dtypes, shapes)}
+    want = part_schema(schema, part)
+    validate_update(declared, want, engine_dtype, optional=set(want) - set(declared))

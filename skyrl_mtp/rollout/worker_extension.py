@@ -1,26 +1,26 @@
-"""Methods vLLM mixes into its worker (`worker_extension_cls`) so the engine can take new weights in place.
+"""Methods vLLM mixes into its worker (`worker_extension_cls`), and what must run in every worker process.
 
-They run inside the worker process, where the model lives, and are called by name through
-`collective_rpc` (no insecure serialization). They rely on vLLM internals that are not a public
-API (the model runner's `reload_weights` and `get_draft_model`, and the in-place reload function);
-`skyrl_check_reload_api` verifies those are still there with the expected signatures and fails
-loudly otherwise, and the engine calls it at start.
-
-Both the main model and the MTP drafter are reloaded on every update: reloading only the main
-model leaves the drafter stale.
+Importing this module (vLLM does, in each worker, before the model loads) installs the CPU sampling
+fixes and registers the project's CPU weight transport in vLLM's factory, which builds the worker's
+weight-transfer engine by name at model load. Weights themselves arrive through vLLM's weight-transfer
+API (`init_weight_transfer_engine`, `start_weight_update` / `start_draft_weight_update`,
+`update_weights`, `finish_weight_update`); `skyrl_check_reload_api` checks at engine start that the
+worker has that API and a transfer engine, the MTP drafter included, and fails loudly otherwise.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Iterator
 
 import torch
 
+from skyrl_mtp.models.families import prepare_vllm_worker
 from skyrl_mtp.rollout import draft_invariant_sampling
 from skyrl_mtp.rollout.cpu_sampling_fix import apply_if_needed
-from skyrl_mtp.rollout.weight_sync import deserialize_weights, drafter_subset, torch_dtype
+from skyrl_mtp.rollout.weight_transfer.registration import register_cpu_transport
+
+register_cpu_transport()   # before vLLM builds this worker's weight-transfer engine (at model load)
+prepare_vllm_worker()      # before the model loads: the served family's vLLM model code importable here
 
 # The single call site of the CPU sampling fix (issue 8). This module is imported in every vLLM worker
 # process (worker_extension_cls), where the sampler runs; SKYRL_MTP_CPU_SAMPLING_FIX is set from
@@ -34,25 +34,15 @@ if not torch.cuda.is_available():
     DRAFT_INVARIANT_SAMPLING_STATUS = draft_invariant_sampling.apply_if_enabled(
         os.environ.get(draft_invariant_sampling.ENV_VAR, "1") != "0")
 
-_MAIN_RELOAD_PARAMS = ("weights_iterator", "weights_path", "is_checkpoint_format")
-_INPLACE_RELOAD_PARAMS = ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format")
+_WEIGHT_TRANSFER_API = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
+                        "update_weights", "finish_weight_update", "get_draft_model")
 
 
-def _require_params(fn, wanted: tuple[str, ...], what: str) -> None:
-    params = tuple(inspect.signature(fn).parameters)
-    missing = [p for p in wanted if p not in params]
-    if missing:
-        raise RuntimeError(f"vLLM changed {what}: parameters {missing} are gone (has {params}); "
-                           "skyrl_mtp's weight sync must be updated for this vLLM version")
+def _kernel_build() -> str | None:
+    """vLLM's CPU kernel build mapped in this worker (None off CPU): run_info.json records it."""
+    from skyrl_mtp.rollout.vllm_cpu_kernels import loaded_build
 
-
-def _inplace_reload():
-    try:
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-    except ImportError as e:
-        raise RuntimeError("vLLM no longer has vllm.model_executor.model_loader.reload.inplace.reload_weights; "
-                           "skyrl_mtp's weight sync must be updated for this vLLM version") from e
-    return reload_weights
+    return loaded_build()
 
 
 class WeightSyncExtension:
@@ -62,73 +52,47 @@ class WeightSyncExtension:
         runner = getattr(self, "model_runner", None)
         if runner is None:
             raise RuntimeError("vLLM worker has no `model_runner`; skyrl_mtp's weight sync cannot reach the model")
-        for attr in ("reload_weights", "get_draft_model"):
-            if not callable(getattr(runner, attr, None)):
-                raise RuntimeError(f"vLLM model runner {type(runner).__name__} has no `{attr}`; skyrl_mtp's weight "
-                                   "sync must be updated for this vLLM version")
-        _require_params(runner.reload_weights, _MAIN_RELOAD_PARAMS, f"{type(runner).__name__}.reload_weights")
-        _require_params(_inplace_reload(), _INPLACE_RELOAD_PARAMS, "reload.inplace.reload_weights")
-        return {"runner": type(runner).__name__, "has_drafter": runner.get_draft_model() is not None,
+        for attr in _WEIGHT_TRANSFER_API:
+            if not callable(getattr(self, attr, None)):
+                raise RuntimeError(f"vLLM worker {type(self).__name__} has no `{attr}`; skyrl_mtp's weight sync "
+                                   "(vLLM's weight-transfer API) must be updated for this vLLM version")
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("vLLM built no weight-transfer engine in this worker (weight_transfer_config unset?)")
+        has_drafter = self.get_draft_model() is not None
+        if has_drafter and not self.supports_draft_weight_updates():
+            raise RuntimeError(f"vLLM's {type(engine).__name__} cannot update the MTP drafter in this worker")
+        return {"runner": type(runner).__name__, "has_drafter": has_drafter,
+                "weight_transfer_engine": type(engine).__name__,
                 "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
-                "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS}
+                "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
+                "vllm_kernel_build": _kernel_build()}
 
-    def _skyrl_reload(self, main_weights: Iterator[tuple[str, torch.Tensor]],
-                      drafter_weights: list[tuple[str, torch.Tensor]]) -> None:
-        """`drafter_weights` is read after the main pass, so a streaming source may fill it meanwhile."""
-        from vllm.config import set_current_vllm_config
+    # ---- adaptive speculation (trainer.mtp.num_speculative_tokens=auto) ---------------------
 
-        runner = self.model_runner
-        with set_current_vllm_config(self.vllm_config):
-            runner.reload_weights(weights_iterator=main_weights, weights_path=None, is_checkpoint_format=True)
-            for _ in main_weights:   # a streaming source (NCCL) must be drained even if the loader stopped early
-                pass
-            draft = runner.get_draft_model()
-            if draft is not None:
-                _inplace_reload()(self.vllm_config, draft, weights_iterator=iter(drafter_weights),
-                                  weights_path=None, is_checkpoint_format=True)
+    def skyrl_install_adaptive_speculation(self) -> dict:
+        """Wrap this worker's runner with the adaptive-k hook (checks vLLM's names; raises if moved)."""
+        from skyrl_mtp.rollout import adaptive_speculation
 
-    def skyrl_load_weights_bytes(self, blob: bytes) -> int:
-        """Reload main model and drafter from a safetensors blob; returns the number of tensors."""
-        weights = deserialize_weights(blob)
-        items = list(weights.items())
-        keep = set(drafter_subset([n for n, _ in items]))
-        self._skyrl_reload(iter(items), [(n, t) for n, t in items if n in keep])
-        return len(items)
+        hook = adaptive_speculation.install(self.model_runner)
+        return {"k_max": hook.policy.k_max, "runner": type(self.model_runner).__name__}
 
-    # ---- NCCL (GPU) ----------------------------------------------------------------------
+    def skyrl_adaptive_speculation_stats(self) -> dict:
+        hook = getattr(self.model_runner, "_skyrl_adaptive_hook", None)
+        if hook is None:
+            raise RuntimeError("adaptive speculation is not installed on this worker")
+        return hook.stats()
 
-    def skyrl_init_nccl_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> int:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
+    def skyrl_weight_digest(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer of the target model ("model.") and the drafter ("draft."), as
+        the worker holds them (after the CPU backend's repacking): a synced engine must equal a fresh one."""
+        import hashlib
 
-        rank = rank_offset + int(getattr(self, "rank", 0))
-        group = StatelessProcessGroup.create(host=master_addr, port=master_port, rank=rank, world_size=world_size)
-        self._skyrl_nccl = PyNcclCommunicator(group, device=self.device)
-        return rank
-
-    def skyrl_receive_weights_nccl(self, plan: list[tuple[str, list[int], str]]) -> int:
-        """Receive tensors broadcast by rank 0 in `plan` order and reload main model and drafter.
-
-        The main model consumes each tensor as it arrives; only the drafter's subset is kept for its pass.
-        """
-        comm = getattr(self, "_skyrl_nccl", None)
-        if comm is None:
-            raise RuntimeError("skyrl_init_nccl_group was not called on this worker")
-        keep = set(drafter_subset([name for name, _, _ in plan]))
-        drafter: list[tuple[str, torch.Tensor]] = []
-
-        def received() -> Iterator[tuple[str, torch.Tensor]]:
-            stream = torch.cuda.current_stream(self.device)
-            for name, shape, dtype in plan:
-                t = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
-                comm.broadcast(t, src=0, stream=stream)
-                stream.synchronize()
-                if name in keep:
-                    drafter.append((name, t))
-                yield name, t
-
-        self._skyrl_reload(received(), drafter)
-        return len(plan)
-
-    def skyrl_close_nccl_group(self) -> None:
-        self._skyrl_nccl = None
+        out = {}
+        for prefix, model in (("model.", self.get_model()), ("draft.", self.get_draft_model())):
+            if model is None:
+                continue
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                out[prefix + name] = hashlib.sha256(data).hexdigest()
+        return out

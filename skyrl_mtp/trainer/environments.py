@@ -100,9 +100,14 @@ class SearchEnvironment:
         groups = [RolloutGroup(ex) for ex in examples]
         for t in batch.trajectories:
             finish = "length" if t.finish_reason == "length" else "stop"
+            mask = list(t.loss_mask[t.prompt_len:])
+            if t.finish_reason == "search_failed":
+                # the retriever failed (on_failure=score): scored 0 and counted, but not trained on, so an
+                # outage does not teach the policy to stop searching
+                mask = [0] * len(mask)
             groups[t.prompt_index].rollouts.append(
                 Rollout(t.token_ids[:t.prompt_len], list(t.response_ids), list(t.logprobs[t.prompt_len:]), finish,
-                        response_loss_mask=list(t.loss_mask[t.prompt_len:]), group_id=t.prompt_index,
+                        response_loss_mask=mask, group_id=t.prompt_index,
                         info={"turns": t.num_turns, "finish": t.finish_reason}))
         return groups, batch.metrics
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from skyrl_mtp.config import build
 from skyrl_mtp.config.errors import ConfigError, problem
 from skyrl_mtp.runtime_env import configure_offline_caches
 
@@ -35,61 +37,75 @@ def cache_root() -> Path:
 # ---------------------------------------------------------------------------------------------- model / data
 
 def resolve_model(cfg: DictConfig, cache: Path) -> Path:
-    if cfg.model.path is not None:
-        return Path(cfg.model.path).resolve()
-    from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
+    src = build.model_source(cfg)
+    if src.path is not None:
+        return Path(src.path)
+    from skyrl_mtp.models.tiny import cached_tiny_checkpoint
 
-    t = cfg.model.tiny
-    spec = TinyModelSpec(**{k: v for k, v in OmegaConf.to_container(t, resolve=True).items() if k != "cache_dir"})
-    root = Path(t.cache_dir) if t.cache_dir else cache / "models"
-    path = cached_tiny_checkpoint(root, spec)
+    root = Path(src.tiny_cache_dir) if src.tiny_cache_dir else cache / "models"
+    path = cached_tiny_checkpoint(root, src.tiny)
     log(f"tiny model: {path}")
     return path
 
 
 def synthetic_data(cfg: DictConfig, cache: Path) -> dict[str, Path]:
-    d = cfg.data
-    params = {"task": d.synthetic, "num_train": d.synthetic_num_train, "num_val": d.synthetic_num_val,
-              "seed": cfg.trainer.seed, "digits": d.synthetic_digits}
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    d = build.data_settings(cfg)
+    params = dict(d.synthetic_params)
+    key_params = {k: v for k, v in params.items() if k != "topk"}   # the cache key of data generated before topk
+    key = hashlib.sha256(json.dumps(key_params, sort_keys=True).encode()).hexdigest()[:12]
+    if "topk" in params:
+        key += f"-k{params['topk']}"
     out = Path(d.synthetic_dir) if d.synthetic_dir else cache / "data" / f"{d.synthetic}-{key}"
     if d.synthetic == "arithmetic":
         from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, write_arithmetic_dataset
 
         if not (out / "test.parquet").exists():
-            write_arithmetic_dataset(out, ArithmeticTaskConfig(digits=d.synthetic_digits, num_train=d.synthetic_num_train,
-                                                               num_test=d.synthetic_num_val, seed=cfg.trainer.seed))
+            write_arithmetic_dataset(out, ArithmeticTaskConfig(digits=params["digits"], num_train=params["num_train"],
+                                                               num_test=params["num_val"], seed=params["seed"]))
         return {"train": out / "train.parquet", "val": out / "test.parquet"}
-    from skyrl_mtp.data.search_task import SearchTaskSpec, write_search_task
+    from skyrl_mtp.data.search_task import write_search_task
 
     if not (out / "stats.json").exists():
-        num_entities = max(1, d.synthetic_num_train // 4)
-        write_search_task(out, SearchTaskSpec(num_entities=min(num_entities, 5000), seed=cfg.trainer.seed,
-                                              topk=cfg.environment.search.topk))
+        write_search_task(out, search_task_spec(params))
     return {"train": out / "train.parquet", "val": out / "test.parquet", "corpus": out / "corpus.jsonl",
             "warmstart": out / "warmstart.parquet"}
+
+
+def search_task_spec(params: dict[str, Any]):
+    """The synthetic search task of data.synthetic_* : num_train + num_val facts over the asked relations,
+    num_val of them held out for eval (never in the warm start nor in RL training)."""
+    from skyrl_mtp.data.search_task import RELATION_NAMES, SearchTaskSpec
+
+    rels = tuple(params["relations"].split(",")) if "relations" in params else RELATION_NAMES
+    if "relations" not in params:   # data generated before data.synthetic_search_* existed: keep its layout
+        return SearchTaskSpec(num_entities=min(max(1, params["num_train"] // 4), 5000), seed=params["seed"],
+                              topk=params["topk"])
+    num_entities = min(-(-(params["num_train"] + params["num_val"]) // len(rels)), 5000)
+    return SearchTaskSpec(num_entities=num_entities, relations=rels, seed=params["seed"], topk=params["topk"],
+                          test_fraction=min(params["num_val"] / (num_entities * len(rels)), 0.5),
+                          num_warmstart_entities=params["warmstart_entities"])
 
 
 def load_examples(cfg: DictConfig, paths: list[Path], tokenizer: Any, what: str) -> list:
     from skyrl_mtp.data.datasets import load_prompt_dataset
     from skyrl_mtp.trainer.environments import encode_prompt
 
-    layout = "searchr1" if cfg.environment.name == "search" and cfg.data.synthetic != "search" else "dapo"
+    d = build.data_settings(cfg)
     out, skipped, too_long = [], 0, 0
     for i, p in enumerate(paths):
         try:
-            ds = load_prompt_dataset(p, layout=layout, skip_malformed=cfg.data.skip_malformed)
+            ds = load_prompt_dataset(p, layout=d.layout, skip_malformed=d.skip_malformed)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError([problem(f"data.{what}_files[{i}]", str(p), f"could not be loaded: {err}")]) from None
         skipped += ds.num_skipped
         for ex in ds.examples:
-            if len(encode_prompt(tokenizer, ex.prompt)) > cfg.data.max_prompt_length:
+            if len(encode_prompt(tokenizer, ex.prompt)) > d.max_prompt_length:
                 too_long += 1
             else:
                 out.append(ex)
     if skipped or too_long:
         log(f"{what} data: skipped {skipped} malformed rows and {too_long} prompts longer than "
-            f"data.max_prompt_length={cfg.data.max_prompt_length}")
+            f"data.max_prompt_length={d.max_prompt_length}")
     if not out:
         raise ConfigError([problem(f"data.{what}_files", [str(p) for p in paths], "no usable rows")])
     return out
@@ -104,8 +120,9 @@ def warm_start_examples(cfg: DictConfig, data: dict[str, Path], tokenizer: Any) 
     if cfg.data.synthetic == "arithmetic":
         from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, generate_rows, sft_examples
 
-        rows = generate_rows(ArithmeticTaskConfig(digits=cfg.data.synthetic_digits, num_train=cfg.data.synthetic_num_train,
-                                                  num_test=0, seed=cfg.trainer.seed))["train"]
+        params = dict(build.data_settings(cfg).synthetic_params)
+        rows = generate_rows(ArithmeticTaskConfig(digits=params["digits"], num_train=params["num_train"],
+                                                  num_test=0, seed=params["seed"]))["train"]
         for ex in sft_examples(rows):
             resp = tokenizer.encode(ex["response"], add_special_tokens=False) + eos
             out.append(SFTExample(encode_prompt(tokenizer, ex["prompt"]), resp))
@@ -127,41 +144,6 @@ def warm_start_examples(cfg: DictConfig, data: dict[str, Path], tokenizer: Any) 
 
 # ---------------------------------------------------------------------------------------------- workers
 
-def policy_worker_config(cfg: DictConfig, *, mtp_enabled: bool | None = None, policy_lr: float | None = None):
-    from skyrl_mtp.policy.config import PolicyWorkerConfig
-
-    m = cfg.megatron
-    po, ho = m.policy_optimizer, m.head_optimizer
-    enabled = bool(cfg.trainer.mtp.enabled) if mtp_enabled is None else mtp_enabled
-    return PolicyWorkerConfig(
-        tp=m.tp, pp=m.pp, dp=m.dp, mtp_enabled=enabled,
-        mtp_num_layers=(m.mtp_num_layers if enabled else 0),
-        mtp_loss_type=m.mtp_loss_type or cfg.trainer.mtp.loss_type,
-        mtp_loss_weight=float(m.mtp_loss_weight if m.mtp_loss_weight is not None else cfg.trainer.mtp.loss_weight),
-        mtp_loss_topk=m.mtp_loss_topk, mtp_loss_chunk_size=m.mtp_loss_chunk_size,
-        mtp_detach_trunk=m.mtp_detach_trunk, mtp_detach_shared_output=m.mtp_detach_shared_output,
-        mtp_separate_optimizer=m.mtp_separate_optimizer,
-        policy_lr=float(po.lr if policy_lr is None else policy_lr), head_lr=float(ho.lr),
-        weight_decay=float(po.weight_decay), betas=tuple(po.betas), eps=float(po.eps),
-        policy_grad_clip=float(po.grad_clip), head_grad_clip=float(ho.grad_clip),
-        lr_warmup_steps=int(po.warmup_steps), micro_batch_size=m.micro_batch_size, seed=cfg.trainer.seed,
-        dtype=m.dtype)
-
-
-def engine_config(cfg: DictConfig, model_path: Path):
-    from skyrl_mtp.rollout.config import EngineConfig
-
-    g = cfg.generator
-    return EngineConfig(
-        model_path=str(model_path), num_engines=g.num_engines, tensor_parallel_size=g.tensor_parallel_size,
-        num_speculative_tokens=(int(cfg.trainer.mtp.num_speculative_tokens)
-                                if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts else 0),
-        max_model_len=g.max_model_len, max_num_seqs=g.max_num_seqs, kv_cache_memory_bytes=g.kv_cache_memory_mb * 2**20,
-        enforce_eager=g.enforce_eager, dtype=g.dtype, seed=cfg.trainer.seed, cpu_sampling_fix=g.cpu_sampling_fix,
-        draft_invariant_sampling=g.draft_invariant_sampling,
-        engine_kwargs=OmegaConf.to_container(g.engine_kwargs, resolve=True))
-
-
 def start_ray(cfg: DictConfig) -> None:
     import ray
 
@@ -170,34 +152,39 @@ def start_ray(cfg: DictConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)   # inside `ray job submit`: join the cluster
         return
-    pl = cfg.trainer.placement
-    need = cfg.generator.num_engines * pl.cpus_per_engine + pl.policy_num_workers * pl.cpus_per_policy_worker
-    ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+    from skyrl_mtp.tracking.quiet_logs import filter_ray_handlers, ray_init_kwargs
+
+    verbose = build.tracker_config(cfg).verbose
+    if not verbose:
+        filter_ray_handlers()
+    need = build.placement_plan(cfg).required["CPU"]
+    ray.init(num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
+             **ray_init_kwargs(verbose))
 
 
 def build_environment(cfg: DictConfig, client: Any, tokenizer: Any, data: dict[str, Path]):
     from skyrl_mtp.trainer.environments import MathEnvironment, SearchEnvironment
 
-    if cfg.environment.name == "math":
+    e = build.environment_settings(cfg)
+    if e.name == "math":
         from skyrl_mtp.envs.math_reward import MathReward
 
-        return MathEnvironment(client, tokenizer, MathReward(answer_pattern=cfg.environment.math.answer_pattern,
-                                                             timeout_s=cfg.environment.math.timeout_s))
+        return MathEnvironment(client, tokenizer, MathReward(answer_pattern=e.math_answer_pattern,
+                                                             timeout_s=e.math_timeout_s))
     from skyrl_mtp.envs.retriever.client import RetrieverClient
 
-    s = cfg.environment.search
     server = None
-    url = s.retriever_url
+    url = e.search_retriever_url
     if url is None:
         from skyrl_mtp.envs.retriever.server import start_retriever_in_thread
 
-        corpus = s.corpus_file or data.get("corpus")
+        corpus = e.search_corpus_file or data.get("corpus")
         server = start_retriever_in_thread(corpus)
         url = server.url
         log(f"retriever: serving {corpus} at {url}")
-    retriever = RetrieverClient(url, timeout_s=s.timeout_s, max_retries=s.max_retries, topk=s.topk)
-    return SearchEnvironment(client, tokenizer, retriever, max_turns=cfg.generator.max_turns,
-                             max_total_len=cfg.generator.max_model_len, on_failure=s.on_failure, stop_server=server)
+    retriever = RetrieverClient(url, timeout_s=e.search_timeout_s, max_retries=e.search_max_retries, topk=e.search_topk)
+    return SearchEnvironment(client, tokenizer, retriever, max_turns=e.max_turns, max_total_len=e.max_total_len,
+                             on_failure=e.search_on_failure, stop_server=server)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -205,8 +192,9 @@ def build_environment(cfg: DictConfig, client: Any, tokenizer: Any, data: dict[s
 def check_run_dir(cfg: DictConfig) -> None:
     from skyrl_mtp.trainer.run_dir import RunDir
 
-    rd = RunDir(cfg.trainer.run_dir)
-    if cfg.trainer.resume == "never" and (rd.metrics_file.exists() or rd.complete_steps()):
+    loop = build.loop_config(cfg)
+    rd = RunDir(loop.run_dir)
+    if loop.resume == "never" and (rd.metrics_file.exists() or rd.complete_steps()):
         raise ConfigError([problem("trainer.run_dir", cfg.trainer.run_dir,
                                    "already holds a run and trainer.resume=never would overwrite it; choose a new "
                                    "run_dir or set trainer.resume=auto to continue it")])
@@ -214,7 +202,7 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> int:
     from skyrl_mtp.cluster.placement import PlacementError
-    from skyrl_mtp.trainer.trainer import EngineDiedError
+    from skyrl_mtp.trainer.errors import RunStoppedError
 
     try:
         return _run(cfg)
@@ -224,7 +212,7 @@ def run(cfg: DictConfig) -> int:
     except PlacementError as err:
         print(f"skyrl-mtp: placement: {err}", file=sys.stderr)
         return 2
-    except EngineDiedError as err:
+    except RunStoppedError as err:   # an engine died, a loss went non-finite: named, checkpoint intact
         print(f"skyrl-mtp: error: {err}", file=sys.stderr)
         return 1
 
@@ -233,12 +221,14 @@ def _run(cfg: DictConfig) -> int:
     import ray
     from transformers import AutoTokenizer
 
+    from skyrl_mtp.tracking.quiet_logs import quiet_library_logs
     from skyrl_mtp.tracking.tracker import Tracker
     from skyrl_mtp.trainer.run_dir import RunDir
 
     t_start = time.perf_counter()
     cache = cache_root()
     configure_offline_caches(cache)
+    quiet_library_logs(build.tracker_config(cfg).verbose, cache / "logging")   # before Ray starts: workers inherit it
     check_run_dir(cfg)
     base_model = resolve_model(cfg, cache)
     data = synthetic_data(cfg, cache) if cfg.data.synthetic else {}
@@ -247,7 +237,8 @@ def _run(cfg: DictConfig) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(base_model))
     train = load_examples(cfg, train_files, tokenizer, "train")
     val = load_examples(cfg, val_files, tokenizer, "val") if val_files else []
-    run_dir = RunDir(cfg.trainer.run_dir)
+    loop = build.loop_config(cfg)
+    run_dir = RunDir(loop.run_dir)
     run_dir.create(cfg)
 
     start_ray(cfg)
@@ -258,26 +249,31 @@ def _run(cfg: DictConfig) -> int:
         plan = plan_for_running_cluster(cfg)   # a cluster too small fails here, before any actor starts
         log(plan.describe())
         model_path = base_model
-        if cfg.trainer.warm_start.enabled:
+        if build.warm_start_settings(cfg).enabled:
             model_path = _warm_start(cfg, base_model, data, tokenizer, cache)
         placement_group = reserve(plan)
         engines, policy = _start_workers(cfg, model_path, plan, placement_group)
         env = build_environment(cfg, engines, tokenizer, data)
+        from skyrl_mtp.rollout.weight_transfer.policy_link import PolicyEngineLink
+        from skyrl_mtp.rollout.weight_transfer.step_sync import StepSync
         from skyrl_mtp.trainer.trainer import RLTrainer
 
+        weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines,
+                               colocate=bool(cfg.trainer.placement.colocate))
         trainer = RLTrainer(cfg, engines=engines, policy=policy, env=env, tokenizer=tokenizer,
-                            train_examples=train, val_examples=val, run_dir=run_dir, tracker=None, log=log)
+                            train_examples=train, val_examples=val, run_dir=run_dir, tracker=None, log=log,
+                            weight_sync=weight_sync)
         resumed = trainer.resume_if_possible()
-        tracker = Tracker(run_dir.root, tuple(cfg.logger.backends), project=cfg.logger.project,
-                          run_name=cfg.logger.run_name, config=OmegaConf.to_container(cfg, resolve=True),
-                          resume_step=resumed, stream=sys.stderr)
+        tracker = Tracker.from_config(run_dir.root, build.tracker_config(cfg),
+                                      config=OmegaConf.to_container(cfg, resolve=True), resume_step=resumed,
+                                      stream=sys.stderr)
         trainer.tracker = tracker
         _write_run_info(run_dir, cfg, model_path, engines, policy, plan, placement_group)
         if resumed:
             trainer.sync_weights()
-        elif cfg.trainer.eval_every_n_steps and val:
+        elif loop.eval_every_n_steps and val:
             tracker.log(trainer.evaluate(), step=0)
-        log(f"ready after {time.perf_counter() - t_start:.1f}s; training steps {resumed + 1}..{cfg.trainer.total_steps}")
+        log(f"ready after {time.perf_counter() - t_start:.1f}s; training steps {resumed + 1}..{loop.total_steps}")
         trainer.fit()
     finally:
         for closer in (env, tracker):
@@ -299,26 +295,24 @@ def _run(cfg: DictConfig) -> int:
 def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokenizer: Any, cache: Path) -> Path:
     from skyrl_mtp.net import free_port
     from skyrl_mtp.policy.worker import PolicyWorker
-    from skyrl_mtp.trainer.warm_start import WarmStartPlan, warm_start
+    from skyrl_mtp.trainer.warm_start import warm_start
 
-    ws = cfg.trainer.warm_start
-    plan = WarmStartPlan(steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=cfg.trainer.seed,
-                         micro_batch_size=cfg.megatron.micro_batch_size)
-    pl = cfg.trainer.placement
+    ws = build.warm_start_settings(cfg)
+    actor_opts = build.placement_plan(cfg).policy[0]
 
     def start_worker(path: Path, lr: float):
         import ray
 
-        wcfg = policy_worker_config(cfg, mtp_enabled=False, policy_lr=lr)
-        wcfg.tp = wcfg.dp = 1
-        wcfg.policy_grad_clip = 1.0
-        actor = PolicyWorker.options(num_cpus=pl.cpus_per_policy_worker, num_gpus=pl.gpus_per_policy_worker) \
+        wcfg = build.warm_start_worker_config(cfg)
+        if lr != wcfg.policy_lr:
+            raise ValueError(f"warm start asked for lr={lr}, its worker config has {wcfg.policy_lr}")
+        actor = PolicyWorker.options(num_cpus=actor_opts.num_cpus, num_gpus=actor_opts.num_gpus) \
             .remote(wcfg, str(path), 0, 1, "127.0.0.1", free_port())
         ray.get(actor.ping.remote())
         return actor
 
     root = Path(ws.cache_dir) if ws.cache_dir else cache / "warm_start"
-    return warm_start(base_model, root, warm_start_examples(cfg, data, tokenizer), plan,
+    return warm_start(base_model, root, warm_start_examples(cfg, data, tokenizer), ws.plan,
                       tokenizer.pad_token_id, start_worker, log=log)
 
 
@@ -331,12 +325,26 @@ def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group
     from skyrl_mtp.trainer.policy_group import PolicyGroup
 
     pl, m = cfg.trainer.placement, cfg.megatron
-    ecfg = engine_config(cfg, model_path)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        fut = pool.submit(EngineClient.create, ecfg,
-                          per_engine_options=[actor_options(placement_group, a) for a in plan.engines])
+    ecfg = build.engine_config(cfg, model_path)
+    engine_options = [actor_options(placement_group, a) for a in plan.engines]
+    if plan.colocate:   # Ray hides every GPU from a 0-GPU actor: show each engine its policy ranks' GPUs
+        from skyrl_mtp.rollout.engine import colocated_gpu_options
+
+        policy = PolicyGroup.create(build.policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
+                                    m.tp, m.pp, m.cp, m.dp,
+                                    per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
         try:
-            policy = PolicyGroup.create(policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
+            gpu_ids = policy.gpu_ids()
+            engine_options = [{**o, **colocated_gpu_options([gpu_ids[r] for r in a.shares_gpus_with])}
+                              for o, a in zip(engine_options, plan.engines)]
+            return EngineClient.create(ecfg, per_engine_options=engine_options), policy
+        except BaseException:
+            policy.shutdown()
+            raise
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        fut = pool.submit(EngineClient.create, ecfg, per_engine_options=engine_options)
+        try:
+            policy = PolicyGroup.create(build.policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
                                         m.tp, m.pp, m.cp, m.dp,
                                         per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
         except BaseException:
@@ -387,7 +395,7 @@ def _finish(cfg: DictConfig, run_dir) -> None:
 
     if not run_dir.metrics_file.exists():
         return
-    if cfg.logger.plots:
+    if build.tracker_config(cfg).plots:
         from skyrl_mtp.tracking.plots import write_plots
 
         written = write_plots(run_dir.metrics_file, run_dir.plots)

@@ -13,8 +13,6 @@ from typing import Any
 import ray
 import torch
 
-from skyrl_mtp.net import free_port
-
 
 def shard_batch(batch: dict[str, torch.Tensor], dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     """Contiguous slice `dp_rank` of `dp` along the batch dimension (rows must divide evenly)."""
@@ -31,6 +29,8 @@ class PolicyGroup:
         self.workers = workers
         self.tp, self.pp, self.cp, self.dp = tp, pp, cp, dp
         self.dp_ranks = [(rank // (tp * cp)) % dp for rank in range(len(workers))]
+        self.master_addr: str | None = None  # where the ranks met (rank 0's node), set by create
+        self.master_port: int | None = None
 
     @classmethod
     def create(cls, worker_cfg: Any, hf_path: str, world_size: int, tp: int, pp: int, cp: int, dp: int,
@@ -41,16 +41,17 @@ class PolicyGroup:
 
         if per_rank_options is not None and len(per_rank_options) != world_size:
             raise ValueError(f"per_rank_options has {len(per_rank_options)} entries for world_size={world_size}")
-        port = free_port()
         opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if runtime_env:
             opts["runtime_env"] = runtime_env
         workers = [PolicyWorker.options(**{**opts, **(per_rank_options[rank] if per_rank_options else {})})
-                   .remote(worker_cfg, hf_path, rank, world_size, "127.0.0.1", port)
+                   .remote(worker_cfg, hf_path, rank, world_size)
                    for rank in range(world_size)]
         group = cls(workers, tp, pp, cp, dp)
         try:
-            group.call("ping")
+            # the ranks meet at rank 0's node address, on a port free on that node (multi-node safe)
+            group.master_addr, group.master_port = ray.get(workers[0].rendezvous_address.remote())
+            group.call("join", group.master_addr, group.master_port)
         except BaseException:
             group.shutdown()
             raise
@@ -59,6 +60,13 @@ class PolicyGroup:
     def worker_config(self) -> dict[str, Any]:
         """The configuration rank 0 actually runs with (read back from the actor)."""
         return ray.get(self.workers[0].__ray_call__.remote(lambda worker: worker.cfg.to_dict()))
+
+    def gpu_ids(self) -> list[str]:
+        """The GPU id Ray gave each rank (rank order; colocated engines are shown these)."""
+        def ids(_worker: Any) -> str:
+            return ",".join(str(i) for i in ray.get_gpu_ids())
+
+        return ray.get([w.__ray_call__.remote(ids) for w in self.workers])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])

@@ -8,7 +8,6 @@ so that this file reads as the loop of DESIGN.md and nothing else.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -18,18 +17,17 @@ import torch
 from skyrl_mtp.algorithms.advantages import grpo_advantages
 from skyrl_mtp.algorithms.dynamic_sampling import GroupAccumulator
 from skyrl_mtp.algorithms.overlong import overlong_filter_mask, soft_overlong_penalty
+from skyrl_mtp.config.build import loop_config
 from skyrl_mtp.data.datasets import PromptBatchIterator, PromptExample
 from skyrl_mtp.rollout.sampling import SamplingSpec
 from skyrl_mtp.trainer.batch import build_train_batch
 from skyrl_mtp.trainer.environments import Environment, RolloutGroup
+from skyrl_mtp.trainer.errors import EngineDiedError, NonFiniteMetricError
+from skyrl_mtp.trainer.finite_guard import check_update_metrics
 from skyrl_mtp.trainer.run_dir import RunDir, read_trainer_state
 from skyrl_mtp.trainer.step_timer import StepTimer
 
 FAULT_KILL_ENGINE_ENV = "SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP"
-
-
-class EngineDiedError(RuntimeError):
-    """An inference engine actor died; the message names it and the last intact checkpoint."""
 
 
 def sampling_spec(sc: Any, stop_token_ids: list[int], seed: int | None) -> SamplingSpec:
@@ -50,26 +48,23 @@ def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
 class RLTrainer:
     def __init__(self, cfg: Any, *, engines: Any, policy: Any, env: Environment, tokenizer: Any,
                  train_examples: list[PromptExample], val_examples: list[PromptExample], run_dir: RunDir,
-                 tracker: Any, log: Callable[[str], None] = print):
+                 tracker: Any, log: Callable[[str], None] = print, weight_sync: Any = None):
         self.cfg, self.engines, self.policy, self.env = cfg, engines, policy, env
+        self.weight_sync = weight_sync   # rollout.weight_transfer.step_sync.StepSync: sync + colocation order
         self.tokenizer, self.run_dir, self.tracker, self.log = tokenizer, run_dir, tracker, log
-        self.val_examples = val_examples[: cfg.trainer.eval_batch_size]
-        self.data = PromptBatchIterator(train_examples, min(cfg.trainer.train_batch_size, len(train_examples)),
-                                        shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
+        self.loop = loop = loop_config(cfg)   # every setting of the loop; self.cfg only for what others add
+        self.val_examples = val_examples[: loop.eval_batch_size]
+        self.data = PromptBatchIterator(train_examples, min(loop.train_batch_size, len(train_examples)),
+                                        shuffle=loop.shuffle, seed=loop.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.step = 0
-        algo = cfg.algorithm
-        self.loss_kwargs = {"eps_clip_low": float(algo.eps_clip_low), "eps_clip_high": float(algo.eps_clip_high),
-                            "dual_clip_c": None if algo.dual_clip_c is None else float(algo.dual_clip_c),
-                            "loss_reduction": str(algo.loss_reduction)}
-        if algo.policy_loss_type == "ppo":   # PPO's clip is DAPO's with a symmetric range
-            self.loss_kwargs["eps_clip_high"] = self.loss_kwargs["eps_clip_low"]
+        self.loss_kwargs = dict(loop.loss_kwargs)
 
     # ------------------------------------------------------------------ lifecycle
     def resume_if_possible(self) -> int:
         """Load the newest complete checkpoint when trainer.resume=auto; returns the step resumed from (0 = fresh)."""
-        latest = self.run_dir.latest() if self.cfg.trainer.resume == "auto" else None
+        latest = self.run_dir.latest() if self.loop.resume == "auto" else None
         if latest is None:
             return 0
         state = read_trainer_state(latest)
@@ -79,40 +74,45 @@ class RLTrainer:
         self.log(f"resumed from {latest} (step {self.step})")
         return self.step
 
-    def sync_weights(self) -> float:
-        named = self.policy.export_weights()
-        self.engines.sync_weights(named)
-        return self.engines.last_sync_seconds or 0.0
+    def sync_weights(self) -> dict[str, float]:
+        """Policy -> engines (main model and MTP drafter) through vLLM's weight-transfer API; seconds and bytes."""
+        if self.weight_sync is None:
+            raise RuntimeError("RLTrainer has no weight_sync (a StepSync linking the policy to the engines)")
+        return self.weight_sync.sync()
 
     def fit(self) -> list[dict[str, float]]:
-        total = self.cfg.trainer.total_steps
+        total = self.loop.total_steps
         history = []
         bar = None
-        if self.cfg.trainer.progress_bar:
+        log = self.log
+        if self.loop.progress_bar:
             from tqdm import tqdm
 
             bar = tqdm(total=total, initial=self.step, desc="RL steps", unit="step", dynamic_ncols=True)
+
+            def log_above_bar(msg: str) -> None:   # a message printed through the bar would break it
+                with tqdm.external_write_mode():
+                    log(msg)
+
+            self.log = log_above_bar
         try:
             while self.step < total:
-                metrics = self.train_step()
-                history.append(metrics)
+                history.append(self.train_step())
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                                    accept=f"{metrics.get('rollout/train/draft_acceptance_rate', 0.0):.2f}")
         finally:
+            self.log = log
             if bar is not None:
                 bar.close()
         return history
 
     # ------------------------------------------------------------------ one step
     def _generate(self, timer: StepTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
-        cfg = self.cfg
-        n = cfg.generator.n_samples_per_prompt
-        ds = cfg.algorithm.dynamic_sampling
+        loop = self.loop
+        n = loop.n_samples_per_prompt
         target = self.data.batch_size
-        acc = GroupAccumulator(target_groups=target, max_rounds=ds.max_gen_rounds if ds.enabled else 1,
-                               keep_all=not ds.enabled)
+        acc = GroupAccumulator(target_groups=target, max_rounds=loop.max_gen_rounds if loop.dynamic_sampling else 1,
+                               keep_all=not loop.dynamic_sampling)
         all_groups: list[RolloutGroup] = []
         env_metrics: list[dict[str, float]] = []
         window = self.engines.metrics
@@ -120,8 +120,7 @@ class RLTrainer:
         try:
             while not acc.done:
                 examples = self.data.next_batch()
-                spec = sampling_spec(cfg.generator.sampling, self.stop_ids,
-                                     step_seed(cfg.trainer.seed, self.step, acc.rounds_used))
+                spec = sampling_spec(loop.sampling, self.stop_ids, step_seed(loop.seed, self.step, acc.rounds_used))
                 groups, m = self._rollout(examples, spec, n)
                 window.pause()
                 with timer.phase("reward"):
@@ -145,7 +144,7 @@ class RLTrainer:
             # no group with reward spread: the policy gradient is zero anyway; the head still trains on them
             kept = all_groups[:target]
             metrics["dynamic_sampling/fallback_all"] = 1.0
-        dp = int(cfg.megatron.dp)
+        dp = loop.dp
         kept = kept[: max(len(kept) // dp, 1) * dp] if len(kept) >= dp else kept
         return kept, metrics
 
@@ -168,24 +167,23 @@ class RLTrainer:
                 "modified; rerun with trainer.resume=auto to continue from it") from err
 
     def _shape_rewards(self, groups: list[RolloutGroup]) -> None:
-        op = self.cfg.algorithm.overlong_punishment
-        if not op.enabled:
+        enabled, buffer_len, penalty_factor = self.loop.overlong_punishment
+        if not enabled:
             return
         flat = [r for g in groups for r in g.rollouts]
         lengths = torch.tensor([len(r.response_ids) for r in flat])
-        pen = soft_overlong_penalty(lengths, int(self.cfg.generator.sampling.max_tokens), int(op.buffer_len),
-                                    float(op.penalty_factor))
+        pen = soft_overlong_penalty(lengths, self.loop.sampling.max_tokens, buffer_len, penalty_factor)
         for r, p in zip(flat, pen.tolist()):
             r.info["overlong_penalty"] = p
             r.reward += p
 
     def _train_batches(self, groups: list[RolloutGroup]) -> list[dict[str, torch.Tensor]]:
-        cfg = self.cfg
+        loop = self.loop
         rewards = torch.tensor([[r.reward for r in g.rollouts] for g in groups], dtype=torch.float32)
-        adv = grpo_advantages(rewards, norm_by_std=bool(cfg.algorithm.norm_adv_by_std)).flatten()
+        adv = grpo_advantages(rewards, norm_by_std=loop.norm_adv_by_std).flatten()
         flat = [r for g in groups for r in g.rollouts]
-        masks = overlong_filter_mask([r.finish_reason for r in flat]) if cfg.algorithm.overlong_filtering else None
-        mini = cfg.trainer.policy_mini_batch_size or len(groups)
+        masks = overlong_filter_mask([r.finish_reason for r in flat]) if loop.overlong_filtering else None
+        mini = loop.mini_batch_size or len(groups)
         n = len(groups[0].rollouts)
         batches = []
         for start in range(0, len(groups), mini):
@@ -198,6 +196,9 @@ class RLTrainer:
         timer = StepTimer()
         with timer.phase("generate"):
             groups, metrics = self._generate(timer)
+        if self.weight_sync is not None and self.weight_sync.colocate:
+            with timer.phase("engine_sleep"):
+                self.weight_sync.release_engines()   # colocated: the policy gets the GPUs back
         batches = self._train_batches(groups)
         with timer.phase("old_logprobs"):
             diffs, n_tok = 0.0, 0.0
@@ -212,31 +213,45 @@ class RLTrainer:
         metrics["rollout/response_length_mean"] = sum(
             len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
         with timer.phase("train"):
-            parts = [self.policy.train_step(b, policy_loss="dapo", policy_loss_kwargs=self.loss_kwargs)
-                     for b in batches]
+            parts = []
+            for i, b in enumerate(batches):
+                parts.append(self.policy.train_step(b, policy_loss="dapo", policy_loss_kwargs=self.loss_kwargs))
+                self._stop_if_not_finite(parts[-1], f"mini-batch {i + 1} of {len(batches)}", metrics, timer)
         metrics.update(mean_metrics(parts))
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
         with timer.phase("sync"):
-            self.sync_weights()
+            metrics.update(self.sync_weights())
         self.step += 1
-        if self.cfg.trainer.eval_every_n_steps and (self.step % self.cfg.trainer.eval_every_n_steps == 0
-                                                    or self.step == self.cfg.trainer.total_steps):
+        loop = self.loop
+        if loop.eval_every_n_steps and (self.step % loop.eval_every_n_steps == 0 or self.step == loop.total_steps):
             with timer.phase("eval"):
                 metrics.update(self.evaluate())
-        every = self.cfg.trainer.checkpoint.every_n_steps
-        if every and (self.step % every == 0 or self.step == self.cfg.trainer.total_steps):
+        every = loop.checkpoint_every_n_steps
+        if every and (self.step % every == 0 or self.step == loop.total_steps):
             with timer.phase("checkpoint"):
                 self.save_checkpoint()
         metrics.update(timer.metrics())
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
-        self.tracker.log(clean, step=self.step)
-        return {"step": self.step, **clean}
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.tracker.log(numeric, step=self.step)
+        return {"step": self.step, **numeric}
+
+    def _stop_if_not_finite(self, update: dict[str, float], where: str, metrics: dict[str, float],
+                            timer: StepTimer) -> None:
+        """Stop before the weight sync and checkpoint of this step if an update's loss or grad norm is not
+        finite; the step's metrics so far (the non-finite ones included) are logged first."""
+        step = self.step + 1
+        try:
+            check_update_metrics(update, step, where, self.run_dir.latest())
+        except NonFiniteMetricError:
+            row = {**metrics, **update, **timer.metrics()}
+            self.tracker.log({k: float(v) for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+            raise
 
     def evaluate(self) -> dict[str, float]:
         if not self.val_examples:
             return {}
-        spec = sampling_spec(self.cfg.generator.eval_sampling, self.stop_ids, step_seed(self.cfg.trainer.seed, 0, 99))
+        spec = sampling_spec(self.loop.eval_sampling, self.stop_ids, step_seed(self.loop.seed, 0, 99))
         window = self.engines.metrics
         window.start("eval")
         try:
@@ -251,5 +266,5 @@ class RLTrainer:
         staging = self.run_dir.staging_dir(self.step)
         self.policy.save_checkpoint(str(staging))
         state = {"step": self.step, "data": self.data.state_dict()}
-        path = self.run_dir.commit(staging, self.step, state, int(self.cfg.trainer.checkpoint.keep_last))
+        path = self.run_dir.commit(staging, self.step, state, self.loop.keep_last)
         self.log(f"checkpoint: {path}")

@@ -16,7 +16,14 @@ from skyrl_mtp.envs.search_tool import format_documents
 
 
 class RetrieverError(RuntimeError):
-    """The retriever could not answer (down, slow, or a bad answer) within the configured time and retries."""
+    """The retriever could not answer (down, slow, or a bad answer) within the configured time and retries.
+
+    `timed_out` is True when the last attempt failed because the retriever did not answer within timeout_s.
+    """
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,10 @@ class RetrieverClient:
             raise ValueError(f"queries must be a non-empty list of strings, got {queries!r}")
         return {"queries": list(queries), "topk": topk or self.cfg.topk, "return_scores": True}
 
-    def _error(self, attempts: int, started: float, last: str) -> RetrieverError:
+    def _error(self, attempts: int, started: float, last: str, timed_out: bool = False) -> RetrieverError:
         return RetrieverError(f"retriever {self.endpoint} failed after {attempts} attempt(s) in "
-                              f"{time.monotonic() - started:.1f}s (timeout_s={self.cfg.timeout_s}): {last}")
+                              f"{time.monotonic() - started:.1f}s (timeout_s={self.cfg.timeout_s}): {last}",
+                              timed_out=timed_out)
 
     @staticmethod
     def _check(resp: httpx.Response) -> str | None:
@@ -86,7 +94,7 @@ class RetrieverClient:
 
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[str]]:
         """Document contents per query, best first."""
-        body, started, last = self._body(queries, topk), time.monotonic(), ""
+        body, started, last, timed_out = self._body(queries, topk), time.monotonic(), "", False
         with httpx.Client(timeout=self.cfg.timeout_s) as http:
             for attempt in range(self.cfg.max_retries + 1):
                 if attempt:
@@ -94,14 +102,15 @@ class RetrieverClient:
                 try:
                     resp = http.post(self.endpoint, json=body)
                 except httpx.HTTPError as e:
-                    last = f"{type(e).__name__}: {e}"
+                    last, timed_out = f"{type(e).__name__}: {e}", isinstance(e, httpx.TimeoutException)
                     continue
                 if (last := self._check(resp)) is None:
                     return _parse_result(resp.json(), len(queries))
-        raise self._error(self.cfg.max_retries + 1, started, last)
+                timed_out = False
+        raise self._error(self.cfg.max_retries + 1, started, last, timed_out)
 
     async def aretrieve(self, queries: list[str], topk: int | None = None) -> list[list[str]]:
-        body, started, last = self._body(queries, topk), time.monotonic(), ""
+        body, started, last, timed_out = self._body(queries, topk), time.monotonic(), "", False
         async with httpx.AsyncClient(timeout=self.cfg.timeout_s) as http:
             for attempt in range(self.cfg.max_retries + 1):
                 if attempt:
@@ -110,11 +119,14 @@ class RetrieverClient:
                     # wait_for bounds the whole attempt, also a server that trickles bytes slowly
                     resp = await asyncio.wait_for(http.post(self.endpoint, json=body), self.cfg.timeout_s)
                 except (TimeoutError, httpx.HTTPError) as e:
-                    last = f"{type(e).__name__}: {e}"
+                    last = f"{type(e).__name__}: {e}" + (f" (no answer within {self.cfg.timeout_s}s)"
+                                                         if isinstance(e, TimeoutError) else "")
+                    timed_out = isinstance(e, (TimeoutError, httpx.TimeoutException))
                     continue
                 if (last := self._check(resp)) is None:
                     return _parse_result(resp.json(), len(queries))
-        raise self._error(self.cfg.max_retries + 1, started, last)
+                timed_out = False
+        raise self._error(self.cfg.max_retries + 1, started, last, timed_out)
 
     def search(self, queries: list[str], topk: int | None = None) -> list[str]:
         """'Doc 1(Title: ..) ..' text per query."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-DRAFT_PREFIX = "model.mtp_layers."
+DRAFT_PREFIX = "model.mtp_layers."  # MiMo's; other families: ModelFamily.hf_mtp_prefixes
 
 
 def rank_file(ckpt_dir: str | Path, rank: int) -> Path:
@@ -30,24 +30,35 @@ def load_train_state(ckpt_dir: str | Path, rank: int) -> dict:
     return torch.load(p, weights_only=False)
 
 
-def export_hf(out_dir: str | Path, hf_weights: dict[str, torch.Tensor], src_hf_dir: str | Path) -> Path:
-    """HF safetensors checkpoint (config + tokenizer files copied from the source checkpoint)."""
+def copy_hf_side_files(out_dir: str | Path, src_hf_dir: str | Path) -> Path:
+    """Config, tokenizer and other non-weight files of the source checkpoint, copied into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in Path(src_hf_dir).iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out / f.name)
+    return out
+
+
+def export_hf(out_dir: str | Path, hf_weights: dict[str, torch.Tensor], src_hf_dir: str | Path) -> Path:
+    """HF safetensors checkpoint (config + tokenizer files copied from the source checkpoint)."""
+    out = copy_hf_side_files(out_dir, src_hf_dir)
     save_file({k: v.contiguous() for k, v in hf_weights.items()}, str(out / "model.safetensors"))
     return out
 
 
 def export_draft_head(out_dir: str | Path, hf_weights: dict[str, torch.Tensor], src_hf_dir: str | Path) -> Path:
-    """The MTP head alone (``model.mtp_layers.*``) plus config.json; it shares embedding/lm_head with the target."""
+    """The MTP head alone (its family's MTP tensors, e.g. MiMo's ``model.mtp_layers.*``) plus config.json; it
+    shares embedding/lm_head with the target."""
+    from ...models.families import family_for_checkpoint
+
+    family = family_for_checkpoint(src_hf_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    head = {k: v.contiguous() for k, v in hf_weights.items() if k.startswith(DRAFT_PREFIX)}
+    head = {k: v.contiguous() for k, v in hf_weights.items() if family.is_mtp_hf_name(k)}
     if not head:
-        raise ValueError("export_draft_head: the weights contain no model.mtp_layers.* tensors (MTP disabled?)")
+        raise ValueError(f"export_draft_head: the weights contain no MTP tensors ({family.name}: names starting "
+                         f"with {list(family.hf_mtp_prefixes)}; MTP disabled?)")
     save_file(head, str(out / "draft_head.safetensors"))
     cfg = json.loads((Path(src_hf_dir) / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

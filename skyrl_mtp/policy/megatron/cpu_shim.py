@@ -2,8 +2,9 @@
 
 megatron-core asks ``torch.cuda.current_device()`` for the device of RoPE tables, its global
 memory buffer and MTP metrics, and keeps its model-parallel RNG states in CUDA generators.
-Without a GPU both fail. This shim redirects them to the CPU; it is applied only when CUDA is
-absent and checks every patch target exists (with the expected call signature) before touching it.
+Without a GPU both fail. This shim redirects them to the CPU; the device seam (policy/device.py)
+applies it when a rank runs on the CPU, and it checks every patch target exists (with the expected call
+signature) before touching it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Two independent optimizers: one for the policy (trunk), one for the MTP head.
 
-On CPU (and by default) both are torch AdamW with a linear-warmup schedule and their own
-grad-norm clipping; Megatron's DDP / distributed optimizer hard-code CUDA. ``build_optimizer`` is
+On CPU (and by default) both are torch AdamW, each with its own hyper-parameters, LR schedule
+(constant / linear / cosine after a linear warmup) and grad-norm clipping; Megatron's DDP / distributed optimizer hard-code CUDA. ``build_optimizer`` is
 the one seam where a GPU build would plug Megatron's distributed optimizer in.
 """
 
@@ -11,6 +11,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from skyrl_mtp.allowed import LR_SCHEDULES
 
 HEAD_PREFIX = "mtp."
 
@@ -35,11 +37,32 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, weight_decay
                              fused=fused or None)
 
 
-def warmup_schedule(opt: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warmup_steps`` optimizer steps, constant afterwards."""
-    if warmup_steps <= 0:
-        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup_steps))
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, decay_steps: int) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based).
+
+    Linear warmup from 1/warmup_steps to 1 over the first ``warmup_steps`` steps, then: ``constant``
+    stays at 1; ``linear`` falls linearly and ``cosine`` along a half cosine towards 0 at step
+    ``decay_steps`` (the planned number of optimizer steps of the run, warmup included).
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {schedule!r} is not one of {LR_SCHEDULES}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_scheduler(opt: torch.optim.Optimizer, *, schedule: str, warmup_steps: int,
+                 decay_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR stepping ``lr_factor``; its state_dict (the step count) is what a checkpoint keeps."""
+    if schedule != "constant" and decay_steps < 1:
+        raise ValueError(f"lr schedule {schedule!r} needs decay_steps >= 1 (the run's optimizer steps), got {decay_steps}")
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, decay_steps=decay_steps))
 
 
 def allreduce_grads(params: list[torch.nn.Parameter], group) -> None:
@@ -63,7 +86,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=N
     if tp_size == 1:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
     tp_rank = dist.get_rank(tp_group)
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].grad.device)  # a collective's tensor: on the grads' device
     for p in grads:
         if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
             sq += p.grad.detach().double().pow(2).sum()
@@ -74,3 +97,36 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=N
         for p in grads:
             p.grad.mul_(coef)
     return total
+
+
+class TorchSideOptimizer:
+    """One side (policy or MTP head) on the torch path: AdamW over ``params``, gradients summed over data
+    parallel by ``allreduce_grads``, clipped by ``clip_grad_norm`` over this side's params only.
+    ``distributed_optimizer.MegatronSideOptimizer`` is the GPU twin with the same methods."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
+                 grad_clip: float, dp_group, tp_group):
+        self.params, self.grad_clip, self.dp_group, self.tp_group = params, grad_clip, dp_group, tp_group
+        self.opt = build_optimizer(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        return self.opt
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def reduce_grads(self) -> None:
+        allreduce_grads(self.params, self.dp_group)
+
+    def step(self) -> float:
+        """Clip, step; the pre-clip global grad-norm."""
+        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group)
+        self.opt.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd)

@@ -141,3 +141,75 @@ def ray_head():
     finally:
         log.close()
         stop_head(proc, temp_dir)
+
+
+@dataclass(frozen=True)
+class TwoNodeCluster:
+    gcs_address: str
+    temp_dir: Path
+    token_file: Path
+    node_resources: tuple[str, str]  # a custom resource only the head / only the second node has
+
+
+def _start_node(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    try:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()  # the child keeps its own descriptor
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A Ray cluster of two nodes on this machine: a head at 127.0.0.1 and a second raylet at 127.0.0.2
+    (another loopback address) joining it with `ray start --address`. Each node has 2 CPUs and its own
+    custom resource (`skyrl_node_a` / `skyrl_node_b`) so a test can place an actor on either."""
+    python_bin = Path(sys.executable).parent
+    ray_cli = python_bin / "ray"
+    temp_dir = Path(tempfile.mkdtemp(prefix="skyrl_2n_", dir="/tmp"))
+    token_file = temp_dir / "auth_token"
+    token_file.write_text(secrets.token_hex(32))
+    # token auth on every node (a joining raylet does not send the token unless told the mode)
+    env = {**os.environ, "PATH": f"{python_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+           "RAY_AUTH_TOKEN_PATH": str(token_file), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, *ports = free_ports(14)
+    common = ["--block", "--num-cpus=2", "--num-gpus=0", "--object-store-memory=100000000",
+              "--disable-usage-stats"]
+    head_cmd = [str(ray_cli), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                "--include-dashboard=false", f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
+                f"--metrics-export-port={ports[2]}", f"--dashboard-agent-listen-port={ports[3]}",
+                f"--dashboard-agent-grpc-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}",
+                f"--ray-client-server-port={ports[6]}", f"--temp-dir={temp_dir}",
+                '--resources={"skyrl_node_a": 2}', *common]
+    node_cmd = [str(ray_cli), "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.2",
+                f"--node-manager-port={ports[7]}", f"--object-manager-port={ports[8]}",
+                f"--metrics-export-port={ports[9]}", f"--dashboard-agent-listen-port={ports[10]}",
+                f"--dashboard-agent-grpc-port={ports[11]}", f"--runtime-env-agent-port={ports[12]}",
+                f"--temp-dir={temp_dir}", '--resources={"skyrl_node_b": 2}', *common]
+    procs = [_start_node(head_cmd, env, temp_dir / "head.log")]
+    try:
+        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+        while ("Ray runtime started" not in (temp_dir / "head.log").read_text() and procs[0].poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.5)  # the second node joins a running head
+        procs.append(_start_node(node_cmd, env, temp_dir / "node_b.log"))
+        # `ray start --block` prints this once its node is up (an actor that needs the second node's
+        # resource waits in Ray's queue until that node has registered with the head)
+        logs = (temp_dir / "head.log", temp_dir / "node_b.log")
+        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+        while not all(f.exists() and "Ray runtime started" in f.read_text() for f in logs):
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                tails = "\n".join(f.read_text()[-2000:] for f in logs if f.exists())
+                pytest.fail(f"two-node Ray cluster did not come up:\n{tails}")
+            time.sleep(0.5)
+        yield TwoNodeCluster(f"127.0.0.1:{gcs}", temp_dir, token_file, ("skyrl_node_a", "skyrl_node_b"))
+    finally:
+        for p in reversed(procs[1:]):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        stop_head(procs[0], temp_dir)

@@ -12,6 +12,7 @@ with prompt_logprobs[i][t] the logprob of score[i][t] (0 at t = 0, as token_logp
 """
 
 import json
+import os
 import sys
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -21,13 +22,24 @@ COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
 def main(request_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
 
+    from skyrl_mtp.models.families import FAMILY_ENV, engine_kwargs_for_family, family_for_checkpoint
+
     req = json.loads(open(request_path).read())
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    family = family_for_checkpoint(req["model"])
+    family.prepare_vllm_import()  # e.g. Qwen3.5's vLLM code without torchvision (inherited by the engine core)
+    os.environ[FAMILY_ENV] = family.name
+    spec = {"method": "mtp", "num_speculative_tokens": req.get("num_speculative_tokens", 1)}
     if req.get("draft_model"):
         spec["model"] = req["draft_model"]
-    llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
-              max_num_seqs=16, kv_cache_memory_bytes=64 * 2**20, seed=0, disable_log_stats=False,
-              speculative_config=spec)
+    kwargs = dict(model=req["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
+                  max_num_seqs=16, kv_cache_memory_bytes=64 * 2**20, seed=0, disable_log_stats=False,
+                  speculative_config=spec,
+                  worker_extension_cls="skyrl_mtp.models.families.vllm_worker.FamilyWorkerExtension")
+    import torch
+
+    # e.g. Qwen3.5: no prefix caching, and bf16 on CPU
+    kwargs = engine_kwargs_for_family(family, kwargs, {}, on_cpu=not torch.cuda.is_available())
+    llm = LLM(**kwargs)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True, detokenize=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], greedy, use_tqdm=False)
@@ -40,7 +52,7 @@ def main(request_path: str, result_path: str) -> None:
     for seq, out in zip(req["score"], scored):
         lps = [0.0] + [float(d[tok].logprob) for tok, d in zip(seq[1:], out.prompt_logprobs[1:])]
         prompt_lps.append(lps)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": counters,
+    result = {"dtype": kwargs["dtype"], "tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": counters,
               "prompt_logprobs": prompt_lps}
     open(result_path, "w").write(json.dumps(result))
 

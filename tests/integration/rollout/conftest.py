@@ -11,6 +11,7 @@ checkpoints by syncing weights, not by starting engines. The named configuration
 - "k2": MTP k=2, TWO engines behind one client, fresh on the ORACLE checkpoint (passes an engine kwarg).
 - "k1_vllm_coupling": MTP k=1 on the ORACLE checkpoint with vLLM's own rejection-sampling coupling
   (draft_invariant_sampling=False).
+- "auto": adaptive speculation (k chosen per engine step, maximum 3), fresh on the ORACLE checkpoint.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def engine_pool(ray_local, random_ckpt, oracle_ckpt):
         "k3": lambda: EngineConfig(model_path=str(random_ckpt), num_speculative_tokens=3, **SMALL),
         "k1_vllm_coupling": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=1,
                                                  draft_invariant_sampling=False, **SMALL),
+        "auto": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=3,
+                                     adaptive_speculation=True, **SMALL),
         "k2": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=2, num_engines=2,
                                    engine_kwargs={"max_num_batched_tokens": 1536}, **SMALL),
     }

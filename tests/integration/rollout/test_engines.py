@@ -102,6 +102,11 @@ def test_no_spec_reference(engine_pool, refs):
     assert [o.token_ids for o in refs["random"]] != [o.token_ids for o in outs], "sync changed nothing"
     info = engine_pool.get("nospec").engine_infos[0]
     assert info["cpu_sampling_fix"] in ("applied", "not_needed"), info
+    # the engine's worker process maps the kernel build vLLM picks for this CPU (as torch reports it, so
+    # `make test-avx2` proves the AVX2 override reached vLLM's subprocesses)
+    from skyrl_mtp.rollout.vllm_cpu_kernels import expected_build
+
+    assert info["vllm_kernel_build"] == expected_build(), info
 
 
 def test_k1_oracle_head_equals_no_spec_with_acceptance_one(engine_pool, refs):
@@ -167,6 +172,74 @@ def test_bad_weight_updates_are_rejected_and_engine_keeps_serving(engine_pool, r
     outs, m = _run(k1)
     _assert_same(outs, refs["oracle"], "rejected updates left the old weights")
     _assert_oracle_acceptance(m, 1)
+
+
+def test_synced_weights_equal_a_fresh_engine_bit_for_bit(engine_pool, refs, random_ckpt, oracle_ckpt):
+    # nospec was synced to the random checkpoint (refs), k3 started fresh on it; k1 started fresh on the oracle.
+    nospec, k3, k1 = engine_pool.get("nospec", "k3", "k1")
+    fresh_random, synced_random = k3.weight_digests()[0], nospec.weight_digests()[0]
+    main = [n for n in synced_random if n.startswith("model.")]
+    assert main and {n: synced_random[n] for n in main} == {n: fresh_random[n] for n in main}
+    k3.sync_weights(_weights(oracle_ckpt))
+    synced_oracle, fresh_oracle = k3.weight_digests()[0], k1.weight_digests()[0]
+    assert any(n.startswith("draft.model.mtp_layers") for n in synced_oracle)
+    assert synced_oracle == fresh_oracle, sorted(n for n in fresh_oracle if synced_oracle.get(n) != fresh_oracle[n])
+    assert synced_oracle != fresh_random
+    k3.sync_weights(_weights(random_ckpt))                # back to what the later tests expect
+    assert k3.weight_digests()[0] == fresh_random
+
+
+def test_workers_refuse_a_bad_push_before_loading_anything(engine_pool, refs, oracle_ckpt):
+    # Past the sender's own check: the trainer-side transfer engine is driven directly with a bad source;
+    # vLLM's workers (skyrl_cpu engine) check the declared update, all ranks agree, nothing is loaded.
+    from skyrl_mtp.rollout.weight_transfer.sources import DictWeightSource
+
+    k1 = engine_pool.get("k1")                              # on the oracle weights
+    good = _weights(oracle_ckpt)
+    k1.sync_weights(good)
+    sender = k1._driver_sender
+    up = next(n for n in good if n.endswith("mlp.up_proj.weight"))
+    renamed = {**{n: torch.zeros_like(t) for n, t in good.items() if n != up}, up + "_renamed": good[up]}
+    reshaped = {**{n: torch.zeros_like(t) for n, t in good.items()}, up: torch.zeros(good[up].shape[0] + 1, good[up].shape[1])}
+    for bad, match in ((renamed, rf"unknown weight names \['{up}_renamed'\]"),
+                       (reshaped, rf"weight '{up}' has shape \({good[up].shape[0] + 1}, {good[up].shape[1]}\)")):
+        sender.engine.source = DictWeightSource(bad, "main")
+        sender.client.part = "main"
+        with pytest.raises(Exception, match=match):
+            sender.engine.send_weights()
+        outs, m = _run(k1)
+        _assert_same(outs, refs["oracle"], "a push the workers refused left the old weights")
+        _assert_oracle_acceptance(m, 1)
+    k1.sync_weights(good)                                   # the engine is not stuck in a half-open session
+    _assert_same(k1.generate_sync(PROMPTS, GREEDY), refs["oracle"], "good push after refused ones")
+
+
+def test_colocated_step_sleeps_and_wakes_in_vllm_order(engine_pool, refs, oracle_ckpt):
+    from types import SimpleNamespace
+
+    from skyrl_mtp.rollout.weight_sync import part_names
+    from skyrl_mtp.rollout.weight_transfer.step_sync import StepSync
+
+    k1 = engine_pool.get("k1")                              # on the oracle weights
+    good = _weights(oracle_ckpt)
+    link = SimpleNamespace(push=lambda: k1.push_weights(good))
+    for colocate in (True, False):
+        n0 = len(k1.lifecycle()[0])
+        step = StepSync(link, k1, colocate=colocate)
+        step.release_engines()                              # after the rollouts
+        stats = step.sync()                                 # after training
+        sync = [("start_weight_update",), ("update_weights", "main"), ("finish_weight_update", "main"),
+                ("start_draft_weight_update",), ("update_weights", "draft"), ("finish_weight_update", "draft")]
+        want = ([("sleep", 2), ("wake_up", ("weights",)), *sync, ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+                if colocate else [*sync, ("reset_prefix_cache",)])
+        assert k1.lifecycle()[0][n0:] == want
+        for part in ("main", "draft"):
+            assert stats[f"sync/{part}_bytes"] == sum(good[n].numel() * good[n].element_size()
+                                                      for n in part_names(list(good), part))
+            assert 0 < stats[f"sync/{part}_seconds"] < 30
+        outs, m = _run(k1)
+        _assert_same(outs, refs["oracle"], f"colocate={colocate}: engines serve after sleep/sync/wake")
+        _assert_oracle_acceptance(m, 1)
 
 
 def test_bad_generate_inputs_are_rejected_and_engine_keeps_serving(engine_pool, refs):

@@ -4,6 +4,7 @@ with MTP speculative decoding in every turn, warm start with tool tokens masked,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,95 @@ def test_tiny_searchr1_runs_and_logs_reward_and_acceptance(tmp_path, cli):
         assert r["rollout/train/num_drafts"] > 0
         # the tool's tokens are not trained on: fewer draft-loss tokens than response tokens
         assert r["mtp/num_tokens"] < r["train/num_sequences"] * r["rollout/response_length_mean"]
+        # per-turn metrics: acceptance of the first turn and of the turns after a tool result, from vLLM's
+        # per-request counts; they add up to the engines' own window counters
+        for part in ("first_turn", "after_tool"):
+            assert 0.0 <= r[f"multi_turn/{part}/draft_acceptance_rate"] <= 1.0
+            assert 1.0 <= r[f"multi_turn/{part}/mean_acceptance_length"] <= 3.0
+        assert r["multi_turn/first_turn/num_drafts"] + r["multi_turn/after_tool/num_drafts"] == pytest.approx(
+            r["rollout/train/num_drafts"])
+        assert r["multi_turn/answer_after_search_frac"] > 0.0
+        assert 0.0 < r["multi_turn/retriever_latency_mean_s"] < 5.0
+        assert r["multi_turn/search_failures"] == 0.0
+
+
+def _start_retriever(corpus, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from skyrl_mtp.net import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "retriever.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "skyrl_mtp.envs.retriever", "--corpus", str(corpus),
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(300):
+        try:
+            httpx.get(url + "/health", timeout=1.0)
+            return proc, url
+        except httpx.HTTPError:
+            assert proc.poll() is None, (tmp_path / "retriever.log").read_text()
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("retriever did not start")
+
+
+@pytest.mark.parametrize("on_failure", ["score", "raise"])
+def test_retriever_killed_mid_run_follows_the_failure_policy(tmp_path, on_failure):
+    """An external retriever process is SIGKILLed once step 1 is logged: "score" finishes the run with the
+    failed searches counted and scored 0; "raise" stops it with a clear error (exit status 1). No hang."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from skyrl_mtp.config.build import data_settings
+    from skyrl_mtp.config.loader import load_config
+    from skyrl_mtp.data.search_task import write_search_task
+    from skyrl_mtp.trainer.launch import search_task_spec
+
+    repo = Path(__file__).resolve().parents[3]
+
+    data = tmp_path / "data"
+    args = ["recipe=tiny_searchr1", f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3",
+            "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0", "trainer.train_batch_size=4",
+            "trainer.policy_mini_batch_size=2", "trainer.progress_bar=false", "algorithm.dynamic_sampling.max_gen_rounds=1",
+            f"data.synthetic_dir={data}", "environment.search.timeout_s=2.0", "environment.search.max_retries=1",
+            f"environment.search.on_failure={on_failure}"]
+    cfg = load_config(args)
+    paths = write_search_task(data, search_task_spec(dict(data_settings(cfg).synthetic_params)))
+    retriever, url = _start_retriever(paths["corpus"], tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.Popen([sys.executable, "-m", "skyrl_mtp.main", *args, f"environment.search.retriever_url={url}"],
+                           cwd=repo, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and run.poll() is None:
+            if metrics.exists() and any(json.loads(line)["step"] == 1 for line in metrics.read_text().splitlines()):
+                break
+            time.sleep(0.5)
+        retriever.kill()
+        retriever.wait(10)
+        out, err = run.communicate(timeout=600)
+    finally:
+        retriever.kill()
+        run.kill()
+    rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+    assert rows[1]["multi_turn/search_failures"] == 0.0 and rows[1]["multi_turn/num_searches_mean"] > 0.5
+    if on_failure == "score":
+        assert run.returncode == 0, err[-4000:]
+        assert sorted(rows) == [1, 2, 3]
+        for step in (2, 3):   # every search after the kill failed: counted, scored 0
+            assert rows[step]["multi_turn/search_failures"] > 0
+            assert rows[step]["multi_turn/finish_search_failed_frac"] > 0.5
+            assert rows[step]["reward/mean"] <= rows[step]["multi_turn/finish_answer_frac"]
+    else:
+        assert run.returncode == 1, err[-4000:]
+        assert "environment.search.on_failure=raise" in err and url in err, err[-4000:]
+        assert sorted(rows) == [1]

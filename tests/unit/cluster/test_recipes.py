@@ -62,12 +62,14 @@ def test_the_cluster_recipes_exist():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_validates_with_user_paths(recipe, tmp_path):
     cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
-    if cfg.trainer.mtp.enabled:
-        assert cfg.generator.speculative_config.method == "mtp"
-        assert cfg.generator.speculative_config.num_speculative_tokens == cfg.trainer.mtp.num_speculative_tokens
+    if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts:
+        from skyrl_mtp.config.build import engine_config
+
+        spec = engine_config(cfg, tmp_path).speculative_config   # derived from trainer.mtp only
+        assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == cfg.trainer.mtp.num_speculative_tokens
 
 
-@pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo"])
+@pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo"])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -88,6 +90,7 @@ def test_search_recipe_needs_a_retriever(tmp_path):
 HARDWARE = [
     ("mimo7b_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("mimo7b_searchr1", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
+    ("qwen3_5_9b_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3next_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
 ]
 
@@ -108,7 +111,7 @@ def test_cluster_recipe_fits_its_documented_hardware(recipe, nodes, gpus, k, tmp
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_builds_its_policy_and_engine_configs(recipe, tmp_path):
     """What the launcher hands the policy workers and the engines is built (and validated) for every recipe."""
-    from skyrl_mtp.trainer.launch import engine_config, policy_worker_config
+    from skyrl_mtp.config.build import engine_config, policy_worker_config
 
     cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
     policy = policy_worker_config(cfg)

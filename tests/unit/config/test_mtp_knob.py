@@ -1,98 +1,65 @@
-"""Propagation of trainer.mtp into the training and inference settings."""
+"""trainer.mtp is the one MTP knob: the engines' speculation and the head's training are built from it."""
 
 import pytest
-from omegaconf import OmegaConf
 
-from skyrl_mtp.config import ConfigError, compose_config, propagate_mtp_knob
-from skyrl_mtp.config.schema import SkyRLConfig
+from skyrl_mtp.config import ConfigError, load_config
+from skyrl_mtp.config.build import engine_config, policy_worker_config
 
-
-def _cfg(**dotlist):
-    cfg = OmegaConf.structured(SkyRLConfig)
-    for key, value in dotlist.items():
-        OmegaConf.update(cfg, key.replace("__", "."), value, force_add=True)
-    return cfg
+BASE = ["recipe=tiny_dapo"]
 
 
-def test_enabled_derives_both_sides():
-    cfg = propagate_mtp_knob(_cfg(trainer__mtp__num_speculative_tokens=3, trainer__mtp__loss_type="hard_ce",
-                                  trainer__mtp__loss_weight=0.5))
-    assert OmegaConf.to_container(cfg.generator.speculative_config) == {"method": "mtp", "num_speculative_tokens": 3}
-    assert cfg.megatron.mtp_loss_type == "hard_ce"
-    assert cfg.megatron.mtp_loss_weight == 0.5
-    assert cfg.megatron.mtp_num_layers is None  # resolved from the checkpoint at model build
+def _built(*overrides):
+    cfg = load_config(BASE + list(overrides))
+    return policy_worker_config(cfg), engine_config(cfg, "/model")
+
+
+def test_enabled_builds_both_sides():
+    pw, eng = _built("trainer.mtp.num_speculative_tokens=3", "trainer.mtp.loss_type=hard_ce",
+                     "trainer.mtp.loss_weight=0.5")
+    assert eng.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert (pw.mtp_enabled, pw.mtp_loss_type, pw.mtp_loss_weight) == (True, "hard_ce", 0.5)
+    assert pw.mtp_num_layers is None          # resolved from the checkpoint at model build
+    assert pw.mtp_num_depths == 3             # train_depths=null: every depth it drafts
+
+
+def test_train_depths_explicit_and_default():
+    assert _built()[0].mtp_num_depths == 2                             # the recipe drafts k=2
+    assert _built("trainer.mtp.train_depths=1")[0].mtp_num_depths == 1
+    assert _built("trainer.mtp.num_speculative_tokens=1")[0].mtp_num_depths == 1
 
 
 def test_disabled_turns_everything_off():
-    cfg = propagate_mtp_knob(_cfg(trainer__mtp__enabled=False))
-    assert cfg.generator.speculative_config is None
-    assert cfg.megatron.mtp_num_layers == 0
-    assert cfg.megatron.mtp_loss_weight == 0.0
-
-
-def test_explicit_agreeing_values_are_kept():
-    cfg = _cfg(trainer__mtp__num_speculative_tokens=2, megatron__mtp_loss_type="soft_ce")
-    cfg.generator.speculative_config = {"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
-    propagate_mtp_knob(cfg)
-    assert cfg.generator.speculative_config.draft_tensor_parallel_size == 1
-    assert cfg.generator.speculative_config.num_speculative_tokens == 2
-
-
-@pytest.mark.parametrize(
-    "settings, key",
-    [
-        ({"megatron__mtp_loss_type": "hard_ce"}, "megatron.mtp_loss_type='hard_ce'"),
-        ({"megatron__mtp_loss_weight": 3.0}, "megatron.mtp_loss_weight=3.0"),
-        ({"megatron__mtp_num_layers": 0}, "megatron.mtp_num_layers=0"),
-    ],
-)
-def test_contradictions_with_enabled_knob_are_errors(settings, key):
-    with pytest.raises(ConfigError) as info:
-        propagate_mtp_knob(_cfg(**settings))
-    assert key in str(info.value)
-    assert "contradicts trainer.mtp" in str(info.value)
-
-
-def test_speculative_k_mismatch_is_error():
-    cfg = _cfg(trainer__mtp__num_speculative_tokens=2)
-    cfg.generator.speculative_config = {"method": "mtp", "num_speculative_tokens": 3}
-    with pytest.raises(ConfigError, match=r"generator.speculative_config=.*'num_speculative_tokens': 3.*expected"):
-        propagate_mtp_knob(cfg)
-
-
-def test_spec_decoding_with_mtp_off_is_error():
-    cfg = _cfg(trainer__mtp__enabled=False)
-    cfg.generator.speculative_config = {"method": "mtp", "num_speculative_tokens": 1}
-    with pytest.raises(ConfigError, match="speculative decoding needs the MTP head"):
-        propagate_mtp_knob(cfg)
-
-
-def test_k_below_one_is_error():
-    with pytest.raises(ConfigError, match=r"trainer.mtp.num_speculative_tokens=0 .*>= 1"):
-        propagate_mtp_knob(_cfg(trainer__mtp__num_speculative_tokens=0))
-
-
-def test_cli_override_reaches_derived_keys():
-    cfg = compose_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=3", "trainer.mtp.loss_type=tv"])
-    propagate_mtp_knob(cfg)
-    assert cfg.generator.speculative_config.num_speculative_tokens == 3
-    assert cfg.megatron.mtp_loss_type == "tv"
+    pw, eng = _built("trainer.mtp.enabled=false")
+    assert eng.speculative_config is None and eng.num_speculative_tokens == 0
+    assert (pw.mtp_enabled, pw.mtp_num_layers, pw.mtp_loss_weight) == (False, 0, 0.0)
 
 
 def test_draft_in_rollouts_false_trains_head_without_speculative_decoding():
-    from skyrl_mtp.config import load_config
-
-    cfg = load_config(["recipe=tiny_dapo", "trainer.mtp.draft_in_rollouts=false"])
-    assert cfg.generator.speculative_config is None
-    assert cfg.megatron.mtp_loss_type == cfg.trainer.mtp.loss_type
-    assert cfg.megatron.mtp_loss_weight == 1.0
+    pw, eng = _built("trainer.mtp.draft_in_rollouts=false")
+    assert eng.speculative_config is None
+    assert pw.mtp_enabled and pw.mtp_loss_weight == 1.0
 
 
-def test_draft_in_rollouts_false_contradicts_explicit_speculative_config():
-    import pytest
+@pytest.mark.parametrize("override", ["generator.speculative_config={method:mtp}", "megatron.mtp_loss_type=tv",
+                                      "megatron.mtp_loss_weight=2", "trainer.epochs=2",
+                                      "megatron.mtp_detach_trunk=false"])
+def test_removed_keys_are_unknown(override):
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(BASE + [override])
 
-    from skyrl_mtp.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="draft_in_rollouts=false"):
-        load_config(["recipe=tiny_dapo", "trainer.mtp.draft_in_rollouts=false",
-                     "+generator.speculative_config={method: mtp, num_speculative_tokens: 2}"])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["megatron.mtp_num_layers=0"], "megatron.mtp_num_layers=0 is invalid: contradicts trainer.mtp.enabled=true"),
+        (["trainer.mtp.enabled=false", "megatron.mtp_num_layers=1"],
+         "megatron.mtp_num_layers=1 is invalid: contradicts trainer.mtp.enabled=false"),
+        (["trainer.mtp.num_speculative_tokens=0"], "trainer.mtp.num_speculative_tokens=0 is invalid: must be >= 1"),
+        (["trainer.mtp.train_depths=0"], "trainer.mtp.train_depths=0 is invalid: must be >= 1"),
+    ],
+)
+def test_contradictions_are_one_error_each(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(BASE + overrides)
+    assert expected in str(info.value)
+    assert len(info.value.problems) == 1, info.value.problems

@@ -70,3 +70,40 @@ def test_deterministic_files_and_loader_compatible(tmp_path):
 def test_spec_validation(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SearchTaskSpec(**kwargs)
+
+
+def test_warmstart_entities_of_their_own_never_teach_a_train_or_test_answer():
+    spec = SearchTaskSpec(num_entities=16, seed=3, relations=("capital",), topk=1, num_warmstart_entities=40)
+    task = build_search_task(spec)
+    base = build_search_task(SearchTaskSpec(num_entities=16, seed=3, relations=("capital",), topk=1))
+    assert task.train == base.train and task.test == base.test   # the asked facts do not depend on it
+    assert len(task.warmstart) == 40 and len(task.corpus) == 16 + 40
+    asked = {r["question"].split(" of ")[-1] for r in task.train + task.test}
+    taught = {w["question"].split(" of ")[-1] for w in task.warmstart}
+    assert asked.isdisjoint(taught)
+    answers = {r["golden_answers"][0] for r in task.train + task.test}
+    assert not any(a in w["response"] for w in task.warmstart for a in answers)
+    assert task.stats["warmstart_gold_top1_frac"] == 1.0 and task.stats["num_warmstart"] == 40
+    assert all(w["extra_info"]["split"] == "warmstart" for w in task.warmstart)
+
+
+def test_config_keys_reach_the_task_spec():
+    from skyrl_mtp.config.build import data_settings
+    from skyrl_mtp.config.errors import ConfigError
+    from skyrl_mtp.config.loader import load_config
+    from skyrl_mtp.trainer.launch import search_task_spec
+
+    cfg = load_config(["recipe=tiny_searchr1", "data.synthetic_num_train=100", "data.synthetic_num_val=20",
+                       "data.synthetic_search_relations=[capital,currency]",
+                       "data.synthetic_search_warmstart_entities=30"])
+    spec = search_task_spec(dict(data_settings(cfg).synthetic_params))
+    assert (spec.num_entities, spec.relations, spec.num_warmstart_entities) == (60, ("capital", "currency"), 30)
+    task = build_search_task(spec)
+    assert (len(task.train), len(task.test)) == (100, 20)
+    legacy = load_config(["data.synthetic=search", "environment.name=search"])
+    assert search_task_spec(dict(data_settings(legacy).synthetic_params)) == SearchTaskSpec(
+        num_entities=500, seed=legacy.trainer.seed, topk=3)
+    with pytest.raises(ConfigError, match=r"data.synthetic_search_relations=\['capital', 'mayor'\].*distinct names"):
+        load_config(["recipe=tiny_searchr1", "data.synthetic_search_relations=[capital,mayor]"])
+    with pytest.raises(ConfigError, match=r"data.synthetic_search_warmstart_entities=-1"):
+        load_config(["recipe=tiny_searchr1", "data.synthetic_search_warmstart_entities=-1"])

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from skyrl_mtp.envs.retriever.client import RetrieverError
-from skyrl_mtp.rollout.multi_turn import MultiTurnSearchGenerator
+from skyrl_mtp.rollout.multi_turn import MultiTurnSearchGenerator, RetrieverFailedError, summarize
+from skyrl_mtp.rollout.sampling import RequestSpecCounts
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Out:
     token_ids: list
     logprobs: list
     finish_reason: str
+    spec: RequestSpecCounts | None = None
 
 
 class CharTokenizer:
@@ -49,8 +51,8 @@ class ScriptedEngine:
     """Answers turn k of a prompt (k = number of <information> blocks so far) with script[prompt][k],
     applying max_tokens and stop strings the way vLLM does (the token completing a stop string is kept)."""
 
-    def __init__(self, scripts, delay_s=0.0):
-        self.scripts, self.delay_s = scripts, delay_s
+    def __init__(self, scripts, delay_s=0.0, spec=None):
+        self.scripts, self.delay_s, self.spec = scripts, delay_s, spec or {}
         self.calls, self.in_flight, self.max_in_flight = [], 0, 0
 
     async def generate(self, prompts, sampling):
@@ -77,22 +79,24 @@ class ScriptedEngine:
                 break
         else:
             reason = "stop" if ids and ids[-1] == 1 else "length"
-        return [Out(ids, [-0.5] * len(ids), reason)]
+        turn = min(ctx.count("<information>"), len(script) - 1)
+        return [Out(ids, [-0.5] * len(ids), reason, self.spec.get(turn))]
 
 
 class FakeRetriever:
-    def __init__(self, fail=False):
-        self.fail, self.queries = fail, []
+    def __init__(self, fail=False, timed_out=False, delay_s=0.0):
+        self.fail, self.timed_out, self.delay_s, self.queries = fail, timed_out, delay_s, []
 
     async def asearch(self, queries):
         self.queries += queries
+        await asyncio.sleep(self.delay_s)
         if self.fail:
-            raise RetrieverError("retriever http://x/retrieve failed after 3 attempt(s)")
+            raise RetrieverError("retriever http://x/retrieve failed after 3 attempt(s)", timed_out=self.timed_out)
         return [f"Doc 1(Title: T) fact about {q}" for q in queries]
 
 
 def make(scripts, retriever=None, max_turns=3, max_total_len=400, sampling=None, **kw):
-    engine = ScriptedEngine(scripts, kw.pop("delay_s", 0.0))
+    engine = ScriptedEngine(scripts, kw.pop("delay_s", 0.0), kw.pop("spec", None))
     gen = MultiTurnSearchGenerator(engine, TOK, retriever or FakeRetriever(), max_turns, sampling or Sampling(),
                                    max_total_len=max_total_len, **kw)
     return gen, engine
@@ -161,16 +165,43 @@ def test_no_action_ends_with_no_action():
 
 def test_retriever_failure_is_scored_or_raised():
     scripts = {"r": ["<search>q</search>", "<answer>guess</answer>"]}
-    gen, _ = make(scripts, retriever=FakeRetriever(fail=True))
+    gen, engine = make(scripts, retriever=FakeRetriever(fail=True, timed_out=True))
     batch = gen.generate_sync([prompt("r")])
     (t,) = batch.trajectories
-    text = TOK.decode(t.token_ids)
-    assert "<information>Search failed: retriever http://x/retrieve failed after 3 attempt(s)" in text
-    assert (t.num_search_failures, t.finish_reason) == (1, "answer")
-    assert batch.metrics["multi_turn/search_failures"] == 1.0
+    # "score": the trajectory ends at the failed search without an answer (reward 0), counted
+    assert (t.num_search_failures, t.num_search_timeouts, t.finish_reason, t.final_answer) == (1, 1, "search_failed", None)
+    assert len(engine.calls) == 1 and "<information>" not in TOK.decode(t.token_ids)
+    assert batch.metrics["multi_turn/search_failures"] == 1.0 and batch.metrics["multi_turn/search_timeouts"] == 1.0
+    assert batch.metrics["multi_turn/finish_search_failed_frac"] == 1.0
     gen, _ = make(scripts, retriever=FakeRetriever(fail=True), on_retriever_error="raise")
-    with pytest.raises(RetrieverError):
+    with pytest.raises(RetrieverFailedError, match=r"environment.search.on_failure=raise.*'score'") as err:
         gen.generate_sync([prompt("r")])
+    assert isinstance(err.value.__cause__, RetrieverError)
+
+
+def test_per_turn_acceptance_and_search_metrics():
+    first, after = RequestSpecCounts(10, 20, 5), RequestSpecCounts(4, 8, 6)
+    scripts = {"a": ["<search>q</search>", "<answer>x</answer>"], "b": ["<answer>y</answer>"]}
+    gen, _ = make(scripts, retriever=FakeRetriever(delay_s=0.05), spec={0: first, 1: after})
+    batch = gen.generate_sync([prompt("a"), prompt("b")])
+    a, b = batch.trajectories
+    assert a.turn_spec == [first, after] and b.turn_spec == [first]
+    m = batch.metrics
+    assert m["multi_turn/first_turn/draft_acceptance_rate"] == pytest.approx(10 / 40)
+    assert m["multi_turn/first_turn/mean_acceptance_length"] == pytest.approx(1 + 10 / 20)
+    assert m["multi_turn/after_tool/draft_acceptance_rate"] == pytest.approx(6 / 8)
+    assert m["multi_turn/after_tool/mean_acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert m["multi_turn/turn_2/draft_acceptance_rate"] == pytest.approx(6 / 8) and "multi_turn/turn_3/num_drafts" not in m
+    assert m["multi_turn/answer_after_search_frac"] == 0.5 and m["multi_turn/answer_without_search_frac"] == 0.5
+    assert m["multi_turn/num_searches_mean"] == 0.5
+    assert 0.05 <= m["multi_turn/retriever_latency_mean_s"] == m["multi_turn/retriever_latency_max_s"] < 1.0
+
+
+def test_no_spec_counts_means_no_acceptance_keys():
+    gen, _ = make({"a": ["<answer>x</answer>"]})
+    m = gen.generate_sync([prompt("a")]).metrics
+    assert not [k for k in m if "acceptance" in k] and "multi_turn/retriever_latency_mean_s" not in m
+    assert summarize([])["multi_turn/num_turns_mean"] == 0.0
 
 
 def test_empty_query_is_a_failure_without_calling_the_retriever():
@@ -220,3 +251,23 @@ def test_bad_prompts_are_rejected():
         gen.generate_sync([list(range(2, 20))])
     with pytest.raises(ValueError, match="n_samples"):
         gen.generate_sync([[2]], n_samples=0)
+
+
+def test_single_token_tool_tags_become_stop_token_ids():
+    """</search> and </answer> as ONE token each (the tiny tokenizer's tool tokens) are passed as stop token ids,
+    so vLLM's scheduler ends the turn and reports the request's spec-decode counts; multi-token tags stay strings."""
+
+    class ToolTokenizer(CharTokenizer):
+        special = {"</search>": 900, "</answer>": 901}
+
+        def encode(self, text, add_special_tokens=False):
+            return [self.special[text]] if text in self.special else super().encode(text)
+
+    engine = ScriptedEngine({"a": ["<answer>x</answer>"]})
+    gen = MultiTurnSearchGenerator(engine, ToolTokenizer(), FakeRetriever(), 3, Sampling(stop_token_ids=[1]))
+    gen.generate_sync([prompt("a")])
+    (_, spec), = engine.calls
+    assert spec.stop_token_ids == [1, 900, 901] and spec.stop[:2] == ["</search>", "</answer>"]
+    _, engine = make({"a": ["<answer>x</answer>"]})
+    _.generate_sync([prompt("a")])
+    assert engine.calls[0][1].stop_token_ids == []

@@ -1,4 +1,5 @@
-"""Pure parts of weight sync: schema from safetensors headers, update validation, wire format, NCCL layout."""
+"""Pure parts of weight sync: schema from safetensors headers, update validation, the parts of a sync
+(main model / MTP drafter), the transport seam, per-engine rank offsets of the transfer group."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from skyrl_mtp.rollout.engine import completion_to_output
 from skyrl_mtp.rollout.weight_sync import (
     TensorSpec,
     WeightSyncError,
-    broadcast_plan,
+    check_update_info,
     describe_tensors,
-    deserialize_weights,
     drafter_subset,
-    nccl_group_layout,
+    part_names,
+    part_schema,
     read_weight_schema,
-    serialize_weights,
     validate_update,
 )
 
@@ -63,24 +63,94 @@ def test_validate_update_rejects_bad_updates(weights, mutate, match):
         validate_update(describe_tensors(bad), schema, "float32")
 
 
-def test_blob_round_trip_and_aliasing(weights):
-    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]   # tied: same storage
-    back = deserialize_weights(serialize_weights(weights))
-    assert set(back) == set(weights)
-    for n, t in weights.items():
-        assert torch.equal(back[n], t)
-    assert drafter_subset(list(weights)) == ["model.embed_tokens.weight", "model.mtp_layers.0.input_proj.weight",
-                                             "lm_head.weight"]
+def test_sync_parts_partition_the_checkpoint(weights):
+    weights["lm_head.weight"] = torch.zeros(16, 8)
+    names = list(weights)
+    assert part_names(names, "main") == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                                         "lm_head.weight"]
+    assert part_names(names, "draft") == ["model.mtp_layers.0.input_proj.weight"]
+    assert sorted(part_names(names, "main") + part_names(names, "draft")) == sorted(names)
+    assert drafter_subset(names) == ["model.embed_tokens.weight", "model.mtp_layers.0.input_proj.weight",
+                                     "lm_head.weight"]
+    with pytest.raises(ValueError, match="part 'both' is invalid"):
+        part_names(names, "both")
 
 
-def test_nccl_layout_and_plan(weights):
-    layout = nccl_group_layout([1, 2, 1])
-    assert layout.world_size == 5 and layout.engine_rank_offsets == (1, 2, 4)
-    with pytest.raises(ValueError, match="engine_tp_sizes"):
-        nccl_group_layout([])
-    plan = broadcast_plan(weights)
-    assert plan[0] == ("model.embed_tokens.weight", [16, 8], "float32")
-    assert [p[0] for p in plan] == list(weights)
+def test_update_info_chunks_are_checked_against_their_part(weights):
+    schema = {n: TensorSpec(tuple(t.shape), "float32") for n, t in weights.items()}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    check_update_info({"names": [q], "dtype_names": ["float32"], "shapes": [[8, 8]]}, schema, "main", "float32")
+    with pytest.raises(WeightSyncError, match=rf"weight '{q}' has shape \(8, 9\)"):
+        check_update_info({"names": [q], "dtype_names": ["float32"], "shapes": [[8, 9]]}, schema, "main", "float32")
+    with pytest.raises(WeightSyncError, match=r"unknown weight names \['model.mtp_layers.0.input_proj.weight'\]"):
+        check_update_info({"names": ["model.mtp_layers.0.input_proj.weight"], "dtype_names": ["float32"],
+                           "shapes": [[8, 16]]}, schema, "main", "float32")   # the drafter's tensor in a main session
+    with pytest.raises(WeightSyncError, match="lacks names/dtype_names/shapes"):
+        check_update_info({"names": [q]}, schema, "main", "float32")
+    assert set(part_schema(schema, "draft")) == {"model.mtp_layers.0.input_proj.weight"}
+
+
+def test_transport_seam():
+    from skyrl_mtp.rollout.weight_transfer.transport import choose_backend, trainer_init_info
+
+    assert choose_backend(on_gpu=False, gpus_shared_with_policy=False) == "skyrl_cpu"
+    assert choose_backend(on_gpu=False, gpus_shared_with_policy=True) == "skyrl_cpu"
+    assert choose_backend(on_gpu=True, gpus_shared_with_policy=False) == "nccl"
+    assert choose_backend(on_gpu=True, gpus_shared_with_policy=True) == "ipc"
+    cpu = trainer_init_info("skyrl_cpu", rank=0, master_address="127.0.0.1", master_port=1234, world_size=3)
+    assert (cpu.backend, cpu.is_sender, cpu.world_size) == ("skyrl_cpu", True, 3)
+    nccl = trainer_init_info("nccl", rank=1, master_address="127.0.0.1", master_port=1234, world_size=3)
+    assert (nccl.backend, nccl.is_sender, nccl.packed) == ("nccl", False, True)
+    with pytest.raises(ValueError, match="backend 'gloo' is invalid"):
+        trainer_init_info("gloo", rank=0)
+
+
+def test_cpu_transport_registered_in_both_vllm_factories():
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from skyrl_mtp.rollout.weight_transfer import register_cpu_transport
+    from skyrl_mtp.rollout.weight_transfer.cpu_transport import (
+        CPUTrainerWeightTransferEngine,
+        CPUWeightTransferEngine,
+    )
+
+    register_cpu_transport()
+    register_cpu_transport()   # idempotent
+    assert WeightTransferEngineFactory._registry["skyrl_cpu"]() is CPUWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["skyrl_cpu"]() is CPUTrainerWeightTransferEngine
+
+
+def test_engine_actors_client_shifts_rank_offsets_per_engine(monkeypatch):
+    from skyrl_mtp.rollout.weight_transfer.engine_actors_client import EngineActorsClient
+
+    calls = []
+
+    class Method:
+        def __init__(self, actor, name):
+            self.actor, self.name = actor, name
+
+        def remote(self, *args):
+            calls.append((self.actor.i, self.name, args))
+            return None
+
+    class Actor:
+        def __init__(self, i):
+            self.i = i
+
+        def __getattr__(self, name):
+            return Method(self, name)
+
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    client = EngineActorsClient([Actor(0), Actor(1), Actor(2)], workers_per_engine=2)
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 7})
+    assert [c[2][0]["rank_offset"] for c in calls] == [1, 3, 5]
+    calls.clear()
+    client.start_weight_update()
+    client.part = "draft"
+    client.start_weight_update()
+    assert [c[2] for c in calls] == [(False,)] * 3 + [(True,)] * 3
 
 
 def test_least_loaded_assignment():

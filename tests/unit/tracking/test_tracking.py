@@ -22,7 +22,7 @@ def _run(tmp_path, steps, **kw):
 
 def test_tracker_jsonl_console_and_resume(tmp_path):
     out = _run(tmp_path, range(5))
-    assert "[step 4]" in out and "reward/mean=0.4" in out
+    assert out.splitlines() == [f"step {i}  reward {0.1 * i:.3f}" for i in range(5)]   # one short line per step
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     with (tmp_path / "metrics.jsonl").open("a") as f:
@@ -101,3 +101,22 @@ def test_compare_policy_runs_ignores_the_head_and_catches_the_trunk(tmp_path):
     reward = _fake_run(tmp_path / "d", reward=0.5)
     problems, _ = compare_policy_runs(base, reward)
     assert len(problems) == 2 and all("reward/mean" in p for p in problems)
+
+
+def test_wandb_mode_comes_from_the_config_not_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")   # would try to reach the server if it were read
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = Tracker(tmp_path, ("jsonl", "wandb"), wandb_mode="disabled")
+    assert t._wandb is not None and t._wandb.settings.mode == "disabled"
+    t.close()
+    with pytest.raises(ValueError, match="wandb_mode='sometimes'"):
+        Tracker(tmp_path, ("jsonl",), wandb_mode="sometimes")
+
+
+def test_non_finite_values_are_kept_in_metrics_jsonl(tmp_path):
+    t = Tracker(tmp_path, ("jsonl",))
+    t.log({"policy/loss": float("nan"), "mtp/grad_norm": float("inf"), "reward/mean": 0.5}, step=3)
+    t.close()
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["policy/loss"] == "nan" and row["mtp/grad_norm"] == "inf" and row["reward/mean"] == 0.5
+    assert row["nonfinite_metrics"] == ["mtp/grad_norm", "policy/loss"]

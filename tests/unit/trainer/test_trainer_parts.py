@@ -168,7 +168,7 @@ def test_missing_data_file_fails_before_anything_starts(tmp_path, capsys):
 
 def test_engine_config_carries_the_sampling_switches_from_the_generator_config(tmp_path):
     from skyrl_mtp.config import load_config
-    from skyrl_mtp.trainer.launch import engine_config
+    from skyrl_mtp.config.build import engine_config
 
     default = engine_config(load_config(["recipe=tiny_dapo"]), tmp_path)
     assert default.draft_invariant_sampling is True and default.cpu_sampling_fix is True

@@ -1,0 +1,35 @@
+"""The one table of allowed values for named settings, and the one formatter of a bad-value message.
+
+The run config (config/schema.py, config/validation.py), `PolicyWorkerConfig` and `EngineConfig` all
+check names against these tuples and word their errors with `problem`, so a value allowed in one place
+is allowed in all of them and every message reads the same way. Import-light on purpose: Ray actors
+import it through the component configs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")   # vLLM's SpeculativeConfig.draft_sample_method
+ADVANTAGE_ESTIMATORS = ("grpo",)
+POLICY_LOSS_TYPES = ("dapo", "ppo")
+LOSS_REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+GENERATOR_BACKENDS = ("vllm",)
+ENVIRONMENTS = ("math", "search")
+LOGGER_BACKENDS = ("console", "jsonl", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+RESUME_MODES = ("auto", "never")
+SYNTHETIC_TASKS = ("arithmetic", "search")
+SEARCH_ON_FAILURE = ("score", "raise")
+
+# Tokens per chunk of the draft loss (0 = all tokens at once): the one default, used by the
+# run config and by PolicyWorkerConfig alike.
+DEFAULT_MTP_LOSS_CHUNK_SIZE = 1024
+
+
+def problem(key: str, value: Any, allowed: str) -> str:
+    """One bad-value message: the key as the user (or caller) wrote it, the value, and what is allowed."""
+    return f"{key}={value!r} is invalid: {allowed}"

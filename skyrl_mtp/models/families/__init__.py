@@ -1,0 +1,96 @@
+"""Model families: each knows its HF config -> Megatron model, its weight mapping and its MTP inputs.
+
+``family_for_config`` picks the family of an HF config.json (by ``architectures``, else ``model_type``);
+adding a family = one module here plus a line in ``FAMILIES`` (and a tiny checkpoint builder for tests).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import ModelBuildError, ModelFamily, MTPReplayInputs, WeightMappingError, WeightRule
+from .mimo import MIMO
+from .qwen3_5 import QWEN3_5
+
+FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5)
+
+
+def family_for_config(hf_cfg: dict) -> ModelFamily:
+    for fam in FAMILIES:
+        if fam.matches(hf_cfg):
+            return fam
+    known = {f.name: list(f.architectures) for f in FAMILIES}
+    raise ModelBuildError(
+        f"no model family for architectures={hf_cfg.get('architectures')!r}, model_type="
+        f"{hf_cfg.get('model_type')!r}; supported (family: architectures): {known}")
+
+
+def serving_family(hf_dir: str | Path) -> ModelFamily | None:
+    """The family of a checkpoint an engine serves, None for architectures no family knows (vLLM may still
+    serve them; the trainer cannot train them)."""
+    cfg = read_hf_config(hf_dir)
+    return next((f for f in FAMILIES if f.matches(cfg)), None)
+
+
+def is_mtp_hf_name(name: str) -> bool:
+    """Whether an HF tensor name belongs to an MTP head, in any supported family's layout."""
+    return any(f.is_mtp_hf_name(name) for f in FAMILIES)
+
+
+def checkpoint_mtp_layers(hf_cfg: dict) -> tuple[str, int]:
+    """(config key, MTP layers) an HF config declares, read the way its family names them (MiMo:
+    num_nextn_predict_layers, Qwen3.5: mtp_num_hidden_layers); configs of no supported family are read
+    with ``num_nextn_predict_layers`` (0 if absent)."""
+    fam = next((f for f in FAMILIES if f.matches(hf_cfg)), ModelFamily())
+    return fam.mtp_config_key, fam.declared_mtp_layers(hf_cfg)
+
+
+FAMILY_ENV = "SKYRL_MTP_MODEL_FAMILY"  # set by the engine process for its vLLM workers
+
+
+def family_by_name(name: str) -> ModelFamily:
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise ModelBuildError(f"model family {name!r} is unknown; allowed: {[f.name for f in FAMILIES]}")
+
+
+def engine_kwargs_for_family(family: ModelFamily, kwargs: dict, user_kwargs: dict, *, on_cpu: bool = False) -> dict:
+    """``kwargs`` with the family's required vLLM engine settings applied (``cpu_engine_overrides`` too when
+    ``on_cpu``); a conflicting value the user set explicitly in ``user_kwargs`` is an error naming the key."""
+    out = dict(kwargs)
+    required = {**family.engine_overrides, **(family.cpu_engine_overrides if on_cpu else {})}
+    for key, value in required.items():
+        if key in user_kwargs and user_kwargs[key] != value:
+            raise ModelBuildError(f"engine_kwargs.{key}={user_kwargs[key]!r} cannot be used with a {family.name} "
+                                  f"checkpoint; allowed: {value!r} (vLLM needs it for this model family)")
+        out[key] = value
+    return out
+
+
+def prepare_vllm_worker() -> str | None:
+    """In a vLLM worker: make the served family's model code importable (family named by FAMILY_ENV)."""
+    import os
+
+    name = os.environ.get(FAMILY_ENV)
+    if name:
+        family_by_name(name).prepare_vllm_import()
+    return name
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    p = Path(hf_dir) / "config.json"
+    if not p.is_file():
+        raise ModelBuildError(f"no config.json in HF checkpoint directory {str(hf_dir)!r}")
+    return json.loads(p.read_text())
+
+
+def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
+    return family_for_config(read_hf_config(hf_dir))
+
+
+__all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "WeightMappingError", "WeightRule",
+           "FAMILY_ENV", "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
+           "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
+           "serving_family"]

@@ -1,0 +1,238 @@
+"""What a model family is: the one place that knows how its HF config becomes a Megatron model, how its
+weights map both ways, how its MTP layer is fed (exactly as that family's vLLM drafter feeds it) and what
+its vLLM engines need.
+
+Everything family-specific lives in a subclass of ``ModelFamily``; the policy, the bridge, the draft-loss
+replay and the engines ask the family of the checkpoint they were given (``families.family_for_config``).
+
+A Megatron parameter is mapped by a ``WeightRule``: the HF tensors it is made of, the dimension along
+which a tensor-parallel rank reads a contiguous chunk of each of them (None: the whole tensor), and the
+two conversions (rank-local HF chunks -> that rank's Megatron shard; every rank's shard -> full HF
+tensors). A lazy TP-shard reader can load a rank's shard without materialising the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class ModelBuildError(ValueError):
+    """The HF config cannot be turned into the requested Megatron model."""
+
+
+class WeightMappingError(KeyError):
+    """HF and Megatron weights do not correspond (missing / extra / wrong shape)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    hf_names: tuple[str, ...]
+    shard_dims: tuple[int | None, ...]  # per HF name: the TP chunk dimension a rank reads (None = whole)
+    to_megatron: Callable[[Tensors, int, int], torch.Tensor]  # (rank-local HF pieces, tp_rank, tp_size)
+    to_hf: Callable[[Tensors], Tensors]  # (every TP rank's shard, by rank) -> full HF tensors
+
+
+@dataclass(frozen=True)
+class MTPReplayInputs:
+    """What the family's vLLM drafter feeds its MTP layer (the replay for the draft loss feeds the same).
+
+    hidden: the trunk hidden state depth 1 receives: "pre_norm" (before the final norm) or "post_norm".
+    zero_embedding_at_position_0: the drafter zeroes the token embedding where the position id is 0.
+    deeper_hidden: what depth d > 1 receives as its hidden state; "previous_output" = the drafter's
+        output of depth d-1 (its final-normed MTP output), which is what vLLM 0.32's proposer feeds
+        back (llm_base_proposer.py: ``self.hidden_states[:batch_size] = hidden_states``).
+    depth_layer: which MTP layer runs depth d; "first" = layer 0 at every depth (vLLM 0.32's proposer
+        never passes ``spec_step_idx``, so every draft step runs the first MTP layer), "per_depth" =
+        layer d-1 (the last one beyond the layers built).
+    The concatenation order is fixed by Megatron's eh_proj (embedding first); a family whose HF
+    projection concatenates the other way permutes the weight's columns in its WeightRule.
+    """
+
+    hidden: str
+    zero_embedding_at_position_0: bool
+    deeper_hidden: str = "previous_output"
+    depth_layer: str = "first"
+
+    def __post_init__(self) -> None:
+        allowed = {"hidden": ("pre_norm", "post_norm"), "deeper_hidden": ("previous_output",),
+                   "depth_layer": ("first", "per_depth")}
+        for field, ok in allowed.items():
+            if getattr(self, field) not in ok:
+                raise ValueError(f"MTPReplayInputs.{field}={getattr(self, field)!r} is invalid; allowed: {ok}")
+
+    def layer_index(self, depth: int, num_layers: int) -> int:
+        """Index of the MTP layer that runs ``depth`` (1-based) given ``num_layers`` built layers."""
+        if depth < 1 or num_layers < 1:
+            raise ValueError(f"depth={depth} / num_layers={num_layers}: both must be >= 1")
+        return 0 if self.depth_layer == "first" else min(depth - 1, num_layers - 1)
+
+
+def chunk(t: torch.Tensor, dim: int | None, rank: int, size: int, what: str = "") -> torch.Tensor:
+    """Rank ``rank``'s contiguous chunk of ``t`` along ``dim`` (the whole tensor for dim None)."""
+    if dim is None or size == 1:
+        return t
+    if t.shape[dim] % size:
+        raise WeightMappingError(f"{what}: dim {dim} of shape {tuple(t.shape)} is not divisible by tp={size}")
+    return torch.chunk(t, size, dim=dim)[rank]
+
+
+# ------------------------------------------------------------------------------ rule constructors
+
+def copy_rule(name: str) -> WeightRule:
+    """Replicated on every TP rank."""
+    return WeightRule((name,), (None,), lambda ts, r, n: ts[0], lambda parts: [parts[0]])
+
+
+def split_rule(name: str, dim: int) -> WeightRule:
+    """Sharded along ``dim`` (0: column-parallel, 1: row-parallel)."""
+    return WeightRule((name,), (dim,), lambda ts, r, n: ts[0], lambda parts: [torch.cat(parts, dim)])
+
+
+def sections_rule(names: Sequence[str], sections: Sequence[Sequence[int]]) -> WeightRule:
+    """Column-parallel tensors made of dim-0 sections, each section sharded on its own.
+
+    ``sections[i]`` are the dim-0 section sizes of HF tensor ``names[i]`` (e.g. [q, k, v] of a fused GDN
+    projection, or one section for a plain tensor); a rank's Megatron shard is the concatenation, over
+    names and sections, of the rank's chunk of each section (Megatron's fused layouts: [gate; up],
+    [q; k; v; z; b; a], ...).
+    """
+    names, sections = tuple(names), tuple(tuple(s) for s in sections)
+    dims = tuple(0 if len(s) == 1 else None for s in sections)  # one section: the reader chunks it directly
+
+    def to_megatron(ts, r, n):
+        out = []
+        for name, t, secs, dim in zip(names, ts, sections, dims):
+            if sum(secs) != (t.shape[0] * (n if dim == 0 else 1)):
+                raise WeightMappingError(f"{name}: shape {tuple(t.shape)} does not match sections {list(secs)}")
+            if dim == 0:
+                out.append(t)
+            else:
+                out.extend(chunk(s, 0, r, n, name) for s in torch.split(t, list(secs), 0))
+        return torch.cat(out, 0)
+
+    def to_hf(parts):
+        n = len(parts)
+        local = [s // n for secs in sections for s in secs]
+        per_rank = [torch.split(p, local, 0) for p in parts]
+        out, i = [], 0
+        for secs in sections:
+            out.append(torch.cat([torch.cat([pr[i + j] for pr in per_rank], 0) for j in range(len(secs))], 0))
+            i += len(secs)
+        return out
+
+    return WeightRule(names, dims, to_megatron, to_hf)
+
+
+def grouped_qkv_rule(names: Sequence[str], *, heads: int, groups: int, head_dim: int, gated: bool) -> WeightRule:
+    """Attention q/k/v (weights or biases) in Megatron's per-query-group layout.
+
+    Megatron's ``linear_qkv`` stores, per query group, the group's q heads, [its output-gate heads,] its
+    k head, its v head. HF keeps q, k, v apart; a gated HF q_proj holds, per head, [q_h; gate_h].
+    Each HF tensor is chunked on dim 0 by TP rank (a rank owns whole query groups).
+    """
+    names = tuple(names)
+    per = heads // groups
+    q_rows = 2 * head_dim if gated else head_dim
+
+    def to_megatron(ts, r, n):
+        q, k, v = ts
+        g = groups // n
+        rest = q.shape[1:]
+        q = q.reshape(g, per, q_rows, *rest)
+        parts = [q[:, :, :head_dim].reshape(g, per * head_dim, *rest)]
+        if gated:
+            parts.append(q[:, :, head_dim:].reshape(g, per * head_dim, *rest))
+        parts += [k.reshape(g, head_dim, *rest), v.reshape(g, head_dim, *rest)]
+        return torch.cat(parts, 1).reshape(-1, *rest)
+
+    def to_hf(parts):
+        qs, ks, vs = [], [], []
+        for p in parts:
+            rest = p.shape[1:]
+            width = (per * (2 if gated else 1) + 2) * head_dim
+            w = p.reshape(-1, width, *rest)
+            g = w.shape[0]
+            sizes = [per * head_dim] * (2 if gated else 1) + [head_dim, head_dim]
+            pieces = torch.split(w, sizes, 1)
+            q = pieces[0].reshape(g, per, head_dim, *rest)
+            if gated:
+                q = torch.cat([q, pieces[1].reshape(g, per, head_dim, *rest)], 2)
+            qs.append(q.reshape(g * per * q_rows, *rest))
+            ks.append(pieces[-2].reshape(g * head_dim, *rest))
+            vs.append(pieces[-1].reshape(g * head_dim, *rest))
+        return [torch.cat(qs, 0), torch.cat(ks, 0), torch.cat(vs, 0)]
+
+    return WeightRule(names, (0, 0, 0), to_megatron, to_hf)
+
+
+def swap_halves_rule(name: str) -> WeightRule:
+    """Column-parallel [out, 2*in] projection whose two input halves Megatron takes in the other order."""
+
+    def swap(w):
+        h = w.shape[1] // 2
+        return torch.cat([w[:, h:], w[:, :h]], dim=1)
+
+    return WeightRule((name,), (0,), lambda ts, r, n: swap(ts[0]), lambda parts: [swap(torch.cat(parts, 0))])
+
+
+# ------------------------------------------------------------------------------ the family
+
+
+class ModelFamily:
+    """Base class: subclasses fill in every method (one instance per family, registered in __init__.py)."""
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    mtp_replay_inputs: MTPReplayInputs
+    # vLLM engine settings the family needs whatever the user asks (e.g. prefix caching off)
+    engine_overrides: dict = {}
+    # ... and those it needs on vLLM-CPU only (e.g. a dtype the CPU kernels require)
+    cpu_engine_overrides: dict = {}
+    # packed sequences (several segments per row) need every mixer to respect segment boundaries
+    supports_packed_sequences: bool = True
+    # HF names of the MTP head's own tensors start with one of these (the draft part of a weight sync)
+    hf_mtp_prefixes: tuple[str, ...] = ()
+    # the config.json key giving the number of MTP layers (read in text_config when the config nests one)
+    mtp_config_key: str = "num_nextn_predict_layers"
+
+    def declared_mtp_layers(self, hf_cfg: dict) -> int:
+        n = hf_cfg.get("text_config", hf_cfg).get(self.mtp_config_key) or 0
+        return n if isinstance(n, int) else 0
+
+    def is_mtp_hf_name(self, name: str) -> bool:
+        return name.startswith(self.hf_mtp_prefixes)
+
+    def matches(self, hf_cfg: dict) -> bool:
+        archs = set(hf_cfg.get("architectures") or ())
+        if archs:
+            return bool(archs & set(self.architectures))
+        return hf_cfg.get("model_type") in self.model_types
+
+    def args_from_config(self, hf_cfg: dict):
+        raise NotImplementedError
+
+    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+        """A GPTModel for ``args``; model-parallel state must already be initialised."""
+        raise NotImplementedError
+
+    def weight_rules(self, args, mtp_layers: int) -> dict[str, WeightRule]:
+        """Megatron parameter name -> how it is made of HF tensors."""
+        raise NotImplementedError
+
+    def ignorable_hf_names(self, args, mtp_layers: int, hf: dict) -> set[str]:
+        """HF tensors of the checkpoint (``hf``: name -> tensor) the model does not build (e.g. MTP layers
+        beyond mtp_layers)."""
+        return set()
+
+    def prepare_vllm_import(self) -> None:
+        """Make vLLM's model code for this family importable in this process (no-op unless needed)."""

@@ -1,0 +1,46 @@
+"""Megatron settings every family shares: CPU-safe (no fused kernels, no dropout), dtype and TP checks."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ModelBuildError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ModelBuildError(f"dtype={dtype!r} is invalid; allowed: {tuple(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_divisible(tp: int, **sizes: int) -> None:
+    for name, v in sizes.items():
+        if v % tp:
+            raise ModelBuildError(f"{name}={v} is not divisible by tensor parallel size tp={tp}")
+
+
+def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int) -> dict:
+    """TransformerConfig fields that do not depend on the architecture."""
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        params_dtype=check_dtype(dtype),
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        use_cpu_initialization=True,
+        mtp_num_layers=mtp_num_layers if mtp_num_layers > 0 else None,
+        mtp_loss_scaling_factor=0.0,
+    )
+
+
+def rope_base(theta: float):
+    return int(theta) if float(theta).is_integer() else theta

@@ -1,0 +1,373 @@
+"""Adaptive speculation: how many draft tokens to propose at each engine step, chosen from measurements.
+
+Why this exists: MTP drafting pays only when accepted drafts save more target forwards than the draft
+steps and the longer verify cost. Both sides move: the cost of a draft step relative to the target
+forward grows with the batch (the verify forward grows with the tokens it checks), and acceptance moves
+as the head is trained. A fixed k therefore loses at large batches and with an untrained head. Here k is
+chosen per engine step to maximise expected tokens per second, from
+
+- live per-position acceptance, measured in the worker from what the rejection sampler kept
+  (conditional: position i counts only requests whose drafts 1..i-1 were all accepted), with decay so it
+  follows the head as it improves, and
+- a cost model fitted online on the running engine: target step time as a linear function of the tokens
+  scheduled, draft time as a linear function of the first-pass tokens and the extra draft steps.
+
+Closed loop: the first engine steps cycle k over 0..k_max to calibrate; afterwards every `probe_every`-th
+step tries a neighbour of the best k (one deeper, then one shallower), so the next position's acceptance
+and the cost of a shallower setting stay measured as the head and the batch change. When the
+chosen k is 0 the drafter is not run at all (`skip_drafter_at_zero`); its KV cache then has holes at the
+positions of those steps, which may lower later acceptance but never changes the emitted tokens (the
+target verifies every draft), and the measured acceptance sees that effect.
+
+vLLM 0.32's own mechanism is used for the schedule: the engine is built with
+`num_speculative_tokens_per_batch_size` (dynamic speculative decoding, so the scheduler takes drafts of
+any length <= k_max without padding), and the worker overrides `SchedulerOutput.num_spec_tokens_to_schedule`
+(the K vLLM's runner passes to the drafter) with the policy's choice. `install()` checks every vLLM name
+it relies on (methods, parameters, fields) and raises `AdaptiveSpeculationError` naming what moved.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                  "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata")
+DRAFTER_PROPOSE_PARAMS = ("num_speculative_tokens", "common_attn_metadata")
+
+
+class AdaptiveSpeculationError(RuntimeError):
+    """The vLLM code the adaptive speculation hook relies on is missing or changed."""
+
+
+# ------------------------------------------------------------------------------------- pure parts
+
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """Expected tokens emitted per request per step with k drafts; alphas[i] = P(accept i+1 | 1..i accepted)."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= alphas[i]
+        total += run
+    return total
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position conditional acceptance, exponentially forgetting old steps (decay per observed step)."""
+
+    k_max: int
+    decay: float = 0.97
+    prior_rate: float = 0.5
+    prior_weight: float = 1.0
+    attempts: list[float] = field(default_factory=list)
+    accepts: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.attempts = [0.0] * self.k_max
+        self.accepts = [0.0] * self.k_max
+
+    def observe(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """One verify step: per request, drafts scheduled and drafts accepted (a prefix)."""
+        if not any(num_drafts):
+            return
+        att = [0.0] * self.k_max
+        acc = [0.0] * self.k_max
+        for d, a in zip(num_drafts, num_accepted):
+            d = min(int(d), self.k_max)
+            a = max(0, min(int(a), d))
+            for i in range(min(a + 1, d)):    # positions reached: all earlier drafts accepted
+                att[i] += 1.0
+                if i < a:
+                    acc[i] += 1.0
+        for i in range(self.k_max):
+            if att[i]:   # decay only positions that get new evidence: unprobed positions keep their estimate
+                self.attempts[i] = self.attempts[i] * self.decay + att[i]
+                self.accepts[i] = self.accepts[i] * self.decay + acc[i]
+
+    def rates(self) -> list[float]:
+        return [(self.accepts[i] + self.prior_rate * self.prior_weight) / (self.attempts[i] + self.prior_weight)
+                if self.attempts[i] + self.prior_weight > 0 else self.prior_rate for i in range(self.k_max)]
+
+
+class OnlineLinearFit:
+    """Exponentially weighted least squares y ~ w . x, solved on demand (small ridge for stability)."""
+
+    def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4):
+        self.dim, self.decay, self.ridge = dim, decay, ridge
+        self.xtx = [[0.0] * dim for _ in range(dim)]
+        self.xty = [0.0] * dim
+        self.count = 0
+
+    def add(self, x: list[float], y: float) -> None:
+        for i in range(self.dim):
+            self.xty[i] = self.xty[i] * self.decay + x[i] * y
+            for j in range(self.dim):
+                self.xtx[i][j] = self.xtx[i][j] * self.decay + x[i] * x[j]
+        self.count += 1
+
+    def weights(self) -> list[float]:
+        n = self.dim
+        a = [[self.xtx[i][j] + (self.ridge * max(self.xtx[i][i], 1e-12) if i == j else 0.0) for j in range(n)]
+             + [self.xty[i]] for i in range(n)]
+        for c in range(n):   # Gauss-Jordan with partial pivoting
+            p = max(range(c, n), key=lambda r: abs(a[r][c]))
+            if abs(a[p][c]) < 1e-18:
+                continue
+            a[c], a[p] = a[p], a[c]
+            piv = a[c][c]
+            a[c] = [v / piv for v in a[c]]
+            for r in range(n):
+                if r != c and a[r][c]:
+                    f = a[r][c]
+                    a[r] = [vr - f * vc for vr, vc in zip(a[r], a[c])]
+        return [a[i][n] if abs(a[i][i]) > 0.5 else 0.0 for i in range(n)]
+
+    def predict(self, x: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights(), x))
+
+
+def target_features(num_tokens: int) -> list[float]:
+    return [1.0, float(num_tokens)]
+
+
+def draft_features(batch: int, k: int) -> list[float]:
+    """First pass (a fixed cost plus a per-request cost), then k-1 single-token steps over the batch.
+
+    The first pass really runs over the step's b*(1+k_prev) tokens, but k_prev and k move together in
+    the calibration cycle, so a token-count feature would be collinear with k and extrapolate badly."""
+    extra = max(k - 1, 0)
+    return [1.0, float(batch), float(extra), float(extra * batch)]
+
+
+@dataclass
+class CostModel:
+    """Step-time model fitted on the running engine's own timings."""
+
+    target: OnlineLinearFit = field(default_factory=lambda: OnlineLinearFit(2))
+    draft: OnlineLinearFit = field(default_factory=lambda: OnlineLinearFit(4))
+
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        self.target.add(target_features(num_tokens), seconds)
+
+    def observe_draft(self, k: int, batch: int, seconds: float) -> None:
+        self.draft.add(draft_features(batch, k), seconds)
+
+    def step_seconds(self, batch: int, k: int, drafter_runs: bool) -> float:
+        """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft."""
+        n = batch * (1 + k)
+        t = max(self.target.predict(target_features(n)), 1e-6)
+        if drafter_runs:
+            t += max(self.draft.predict(draft_features(batch, max(k, 1))), 0.0)
+        return t
+
+
+def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int, skip_drafter_at_zero: bool
+           ) -> tuple[int, list[float]]:
+    """argmax_k expected tokens per second per request (ties -> smaller k); also the rates per k."""
+    rates = []
+    for k in range(k_max + 1):
+        runs = k > 0 or not skip_drafter_at_zero
+        rates.append(expected_tokens(alphas, k) / cost.step_seconds(batch, k, runs))
+    best = max(range(k_max + 1), key=lambda k: (rates[k], -k))
+    return best, rates
+
+
+@dataclass
+class SpeculationPolicy:
+    """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel)."""
+
+    k_max: int
+    warmup_cycles: int = 3
+    probe_every: int = 32
+    skip_drafter_at_zero: bool = True
+    acceptance: AcceptanceEstimate = None  # type: ignore[assignment]
+    cost: CostModel = field(default_factory=CostModel)
+    steps: int = 0
+    _probe: int = 0
+    chosen_sum: float = 0.0
+    chosen_count: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError(f"k_max={self.k_max}: adaptive speculation needs a maximum of at least 1")
+        if self.acceptance is None:
+            self.acceptance = AcceptanceEstimate(self.k_max)
+        self.histogram = [0] * (self.k_max + 1)
+
+    def choose(self, batch: int) -> int:
+        self.steps += 1
+        cycle = self.k_max + 1
+        if self.steps <= self.warmup_cycles * cycle:
+            k = (self.k_max - (self.steps - 1)) % cycle     # k_max, k_max-1, ..., 0, k_max, ...
+        else:
+            k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max, self.skip_drafter_at_zero)
+            if self.probe_every and self.steps % self.probe_every == 0:   # measure another k (never the best)
+                self._probe += 1
+                k = self._next_probe(k)
+        self.chosen_sum += k
+        self.chosen_count += 1
+        self.histogram[k] += 1
+        return k
+
+    def _next_probe(self, best: int) -> int:
+        """A neighbour of the best k, alternately deeper and shallower (the other one at the ends): deeper
+        probes measure the next position's acceptance, shallower ones the cost saved; a neighbour is the
+        cheapest informative probe (from k = 0 only one draft step is paid)."""
+        up, down = best + 1, best - 1
+        if self._probe % 2 == 0:
+            return up if up <= self.k_max else down
+        return down if down >= 0 else up
+
+    def stats(self) -> dict[str, Any]:
+        return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
+                "acceptance_per_pos": self.acceptance.rates(),
+                "attempts_per_pos": list(self.acceptance.attempts)}
+
+
+def accepted_counts(sampled_token_ids: Any, num_drafts: list[int], placeholder: int = -1) -> list[int]:
+    """Drafts accepted per request from the sampler output (tensor with `placeholder` for rejected
+    slots, or per-request lists of emitted tokens): emitted - 1, clipped to [0, drafts]."""
+    if hasattr(sampled_token_ids, "tolist"):
+        rows = sampled_token_ids.tolist()
+        emitted = [sum(1 for t in row if t != placeholder) for row in rows]
+    else:
+        emitted = [len(row) for row in sampled_token_ids]
+    return [max(0, min(e - 1, d)) for e, d in zip(emitted, num_drafts)]
+
+
+# ----------------------------------------------------------------------------------- the vLLM hook
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise AdaptiveSpeculationError(f"vLLM changed: {what}; skyrl_mtp's adaptive speculation must be updated "
+                                       "for this vLLM version (or set trainer.mtp.num_speculative_tokens to an int)")
+
+
+def _params(fn: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def check_runner(runner: Any) -> None:
+    """Every name the hook relies on, checked before anything is patched."""
+    from dataclasses import fields
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    name = type(runner).__name__
+    for attr in ("execute_model", "sample_tokens", "propose_draft_token_ids", "drafter", "speculative_config"):
+        _require(hasattr(runner, attr), f"model runner {name} has no `{attr}`")
+    got = _params(runner.propose_draft_token_ids)
+    _require(all(p in got for p in PROPOSE_PARAMS),
+             f"{name}.propose_draft_token_ids parameters are {got}, expected {PROPOSE_PARAMS}")
+    got = _params(runner.drafter.propose)
+    _require(all(p in got for p in DRAFTER_PROPOSE_PARAMS),
+             f"{type(runner.drafter).__name__}.propose parameters are {got}, expected {DRAFTER_PROPOSE_PARAMS}")
+    _require("num_spec_tokens_to_schedule" in {f.name for f in fields(SchedulerOutput)},
+             "SchedulerOutput has no field num_spec_tokens_to_schedule")
+    _require("num_draft_tokens" in {f.name for f in fields(SpecDecodeMetadata)},
+             "SpecDecodeMetadata has no field num_draft_tokens")
+    par = getattr(runner, "parallel_config", None)
+    world = 1 if par is None else par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    if world != 1:   # each rank would time its own steps and could choose a different k: collectives would hang
+        raise AdaptiveSpeculationError(f"adaptive speculation supports one worker per engine (tp=pp=dp=1), got "
+                                       f"{world} ranks; set trainer.mtp.num_speculative_tokens to an int")
+    spec = runner.speculative_config
+    _require(spec is not None and getattr(spec, "num_speculative_tokens_per_batch_size", None),
+             "the engine was built without num_speculative_tokens_per_batch_size (dynamic speculative "
+             "decoding), so the scheduler would pad drafts to k_max")
+
+
+class _Hook:
+    """Wraps one runner instance's methods (instance attributes; the class is untouched)."""
+
+    def __init__(self, runner: Any, policy: SpeculationPolicy):
+        self.runner, self.policy = runner, policy
+        self.step_t0 = None
+        self.step_tokens = 0
+        self.draft_seconds = 0.0
+        self.skipped_drafter = 0
+        orig_exec, orig_sample = runner.execute_model, runner.sample_tokens
+        orig_propose, orig_drafter_propose = runner.propose_draft_token_ids, runner.drafter.propose
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            self.step_t0 = time.perf_counter()
+            self.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
+            self.draft_seconds = 0.0
+            return orig_exec(scheduler_output, *args, **kwargs)
+
+        def sample_tokens(*args, **kwargs):
+            out = orig_sample(*args, **kwargs)
+            if self.step_t0 is not None and self.step_tokens:
+                total = time.perf_counter() - self.step_t0
+                self.policy.cost.observe_target(self.step_tokens, max(total - self.draft_seconds, 0.0))
+            self.step_t0 = None
+            return out
+
+        def propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs):
+            bound = inspect.signature(orig_propose).bind_partial(scheduler_output, sampled_token_ids, *args, **kwargs)
+            meta = bound.arguments.get("spec_decode_metadata")
+            if meta is not None:
+                drafts = [int(d) for d in meta.num_draft_tokens]
+                self.policy.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))
+            batch = len(scheduler_output.num_scheduled_tokens)
+            k = self.policy.choose(batch)
+            scheduler_output.num_spec_tokens_to_schedule = k
+            t0 = time.perf_counter()
+            out = orig_propose(scheduler_output, sampled_token_ids, *args, **kwargs)
+            seconds = time.perf_counter() - t0
+            self.draft_seconds = seconds
+            if k > 0 or not self.policy.skip_drafter_at_zero:
+                self.policy.cost.observe_draft(max(k, 1), batch, seconds)
+            return out
+
+        def drafter_propose(*args, **kwargs):
+            bound = inspect.signature(orig_drafter_propose).bind_partial(*args, **kwargs)
+            k = bound.arguments.get("num_speculative_tokens")
+            if k == 0 and self.policy.skip_drafter_at_zero:
+                import torch
+
+                self.skipped_drafter += 1
+                batch = bound.arguments["common_attn_metadata"].batch_size()
+                return torch.empty(batch, 0, dtype=torch.int64, device=runner.device)
+            return orig_drafter_propose(*args, **kwargs)
+
+        runner.execute_model = execute_model
+        runner.sample_tokens = sample_tokens
+        runner.propose_draft_token_ids = propose_draft_token_ids
+        runner.drafter.propose = drafter_propose
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.policy.stats(), "skipped_drafter_steps": self.skipped_drafter}
+
+
+def install(runner: Any, k_max: int | None = None, **policy_kwargs: Any) -> _Hook:
+    """Check the runner, then wrap it; k_max defaults to the engine's num_speculative_tokens."""
+    if getattr(runner, "_skyrl_adaptive_hook", None) is not None:
+        return runner._skyrl_adaptive_hook
+    check_runner(runner)
+    k = int(k_max if k_max is not None else runner.speculative_config.num_speculative_tokens)
+    hook = _Hook(runner, SpeculationPolicy(k_max=k, **policy_kwargs))
+    runner._skyrl_adaptive_hook = hook
+    logger.info("skyrl_mtp adaptive speculation installed on %s (k_max=%d)", type(runner).__name__, k)
+    return hook
+
+
+def dynamic_schedule(k_max: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """The `num_speculative_tokens_per_batch_size` that puts vLLM's scheduler in dynamic mode with every
+    batch size allowed up to k_max; the worker hook picks the actual k each step."""
+    return [(1, max(int(max_num_seqs), 1), int(k_max))]
+
+
+def mean_k(stats: dict[str, Any]) -> float:
+    return stats["k_sum"] / stats["steps"] if stats.get("steps") else math.nan

@@ -1,0 +1,67 @@
+"""Every benchmark runs once at its `--quick` size, so none of them can rot unnoticed.
+
+Each script under benchmarks/ is run as a subprocess (as a user would run it) with `--quick --json OUT`
+under a time budget, and its JSON must carry the fields the README names for it. A new benchmark
+without an entry here fails `test_every_benchmark_has_a_quick_smoke_run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+# a --quick run takes under ~60 s on 2 cores; the budget leaves room for a loaded CI machine
+BUDGET_S = 300
+# script -> (top-level keys, keys of every row)
+EXPECTED = {
+    "draft_loss.py": ({"rows", "train_step_ratio_mtp_on_off", "policy_fwd_bwd_ms", "shape", "flop_floor_ratio_mtp_on_off",
+                       "train_step_ratio_mtp_on_off_cheap", "flop_floor_ratio_mtp_on_off_cheap"},
+                      {"loss_type", "chunked", "time_ms", "peak_mem_mb", "ratio_to_policy_fwd_bwd"}),
+    "draft_loss_math.py": ({"rows"}, {"loss_type", "chunked", "time_ms", "peak_mem_mb"}),
+    "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
+                                   "speedup_vs_no_spec", "predicted_speedup"}),
+    "spec_sampling_fidelity.py": ({"rows"}, {"head", "k", "temperature", "top_p", "fix", "identical_to_nospec",
+                                             "loglik_spec", "loglik_nospec", "p_value", "acceptance",
+                                             "expected_acceptance"}),
+    "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
+    "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
+                          {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
+    "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec"}, {"setup", "generate_s", "reward_s", "train_s", "sync_s", "step_s",
+                                         "acceptance", "tokens_per_s", "step_ratio_vs_no_spec"}),
+}
+
+
+def test_every_benchmark_has_a_quick_smoke_run():
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(EXPECTED), f"benchmarks without a smoke entry: {scripts - set(EXPECTED)}"
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out)],
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=BUDGET_S)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, f"{script} --quick failed after {seconds:.0f}s:\n{proc.stderr[-4000:]}"
+    top, row_keys = EXPECTED[script]
+    result = json.loads(out.read_text())
+    assert top <= set(result), (script, sorted(top - set(result)))
+    assert result["rows"], f"{script} --quick wrote no rows"
+    for row in result["rows"]:
+        assert row_keys <= set(row), (script, sorted(row_keys - set(row)))
+        for key in ("time_ms", "tokens_per_s", "step_s"):   # measured, not placeholders
+            if key in row:
+                assert row[key] > 0, (script, key, row)
+    print(f"{script} --quick: {seconds:.1f}s")

@@ -1,0 +1,52 @@
+"""Driver of the two-node policy test (run as its own process, connected to the test's Ray cluster).
+
+Runs the same DP=2 policy twice on the same batches: both ranks on the head node, then rank 0 on the
+second node (127.0.0.2) and rank 1 on the head. Saves, per run, where the ranks met and ran, the
+train-step metrics and the exported weights.
+"""
+
+import sys
+
+import ray
+import torch
+
+from skyrl_mtp.policy.config import PolicyWorkerConfig
+from skyrl_mtp.policy.worker import node_address
+from skyrl_mtp.trainer.policy_group import PolicyGroup
+
+
+def batches():
+    out = []
+    for seed in range(2):
+        g = torch.Generator().manual_seed(200 + seed)
+        ids = torch.randint(0, 512, (4, 16), generator=g)
+        lm = torch.zeros(4, 16)
+        lm[:, 5:] = 1
+        out.append({"input_ids": ids, "attention_mask": torch.ones(4, 16, dtype=torch.long), "loss_mask": lm,
+                    "old_logprobs": torch.full((4, 16), -4.0),
+                    "advantages": torch.randn(4, 1, generator=g).expand(4, 16).clone()})
+    return out
+
+
+def run(ckpt: str, placement: list[str]) -> dict:
+    cfg = PolicyWorkerConfig(policy_lr=1e-3, head_lr=1e-3, micro_batch_size=2, seed=0, dp=2)
+    group = PolicyGroup.create(cfg, ckpt, world_size=2, tp=1, pp=1, cp=1, dp=2, num_cpus=1,
+                               per_rank_options=[{"resources": {res: 1}} for res in placement])
+    try:
+        nodes = [ray.get(w.__ray_call__.remote(lambda _w: node_address())) for w in group.workers]
+        metrics = [group.train_step(b, policy_loss="dapo", policy_loss_kwargs={}) for b in batches()]
+        return {"master_addr": group.master_addr, "nodes": nodes, "metrics": metrics,
+                "weights": group.export_weights()}
+    finally:
+        group.shutdown()
+
+
+if __name__ == "__main__":
+    address, ckpt, out = sys.argv[1:4]
+    ray.init(address=address, log_to_driver=False)
+    head = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"] and "skyrl_node_a" in n["Resources"]]
+    results = {"head_address": head[0] if len(head) == 1 else head,
+               "one_node": run(ckpt, ["skyrl_node_a", "skyrl_node_a"]),
+               "two_nodes": run(ckpt, ["skyrl_node_b", "skyrl_node_a"])}
+    torch.save(results, out)
+    ray.shutdown()

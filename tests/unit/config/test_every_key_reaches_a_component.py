@@ -1,0 +1,198 @@
+"""Every leaf of the run schema reaches a component: changing it changes what a component is built with.
+
+The leaves are read from the schema dataclasses themselves, so a key added to schema.py is walked
+without touching this file. For each one the test sets a different valid value (ALTERNATIVES, or one
+derived from the default's type) and compares `built_components` (the settings of the policy workers,
+the engines, the RL loop, the model, the data, the environment, the warm start, the placement plan
+and the tracker, as skyrl_mtp.config.build makes them for the launcher and the trainer) before and
+after. A key no component reads -- a dead key -- leaves them equal and fails here. Keys with a single
+supported value (ONLY_ONE_VALUE) must instead reject any other value, naming that key, once; so must
+keys that only restate others (MUST_MATCH), which change only together with the key they follow.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+import typing
+from dataclasses import fields, is_dataclass
+
+import pytest
+from omegaconf import OmegaConf
+
+from skyrl_mtp.config import ConfigError, compose_config, validate_config
+from skyrl_mtp.config.build import built_components
+from skyrl_mtp.config.schema import SkyRLConfig
+
+BASE = ["recipe=tiny_dapo"]
+
+# key -> (the other value, {other keys set on BOTH sides so that the new value is valid}); a third item,
+# if any, holds MUST_MATCH keys that follow the change (set on the changed side only)
+ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
+    "trainer.run_dir": ("/tmp/elsewhere", {}),
+    "trainer.resume": ("never", {}),
+    "trainer.policy_mini_batch_size": (8, {}),
+    "trainer.placement.gpus_per_engine": (1, {}, {"trainer.placement.gpus_per_policy_worker": 1}),
+    # on GPUs: engines and policy ranks share them (on CPU colocation is issue 16's sleep/wake)
+    "trainer.placement.colocate": (True, {"trainer.placement.gpus_per_engine": 1,
+                                          "trainer.placement.gpus_per_policy_worker": 1}),
+    "trainer.warm_start.cache_dir": ("/tmp/ws", {}),
+    "trainer.mtp.num_speculative_tokens": (3, {}),
+    "trainer.mtp.max_speculative_tokens": (2, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
+    "trainer.mtp.draft_sample_method": ("probabilistic", {}),   # issue 17
+    "trainer.mtp.loss_position_fraction": (0.25, {}),   # issue 17
+    "trainer.mtp.loss_type": ("tv", {}),
+    "trainer.mtp.train_depths": (1, {}),
+    "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
+    "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
+    "megatron.dtype": ("bfloat16", {}),
+    "megatron.mtp_num_layers": (1, {}),
+    "megatron.policy_optimizer.betas": ([0.8, 0.99], {}),
+    "megatron.head_optimizer.betas": ([0.8, 0.99], {}),
+    "megatron.policy_optimizer.lr_schedule": ("cosine", {}),
+    "megatron.head_optimizer.lr_schedule": ("linear", {}),
+    "generator.tensor_parallel_size": (2, {}),
+    "generator.dtype": ("bfloat16", {}),
+    "generator.engine_kwargs": ({"swap_space": 1}, {}),
+    "generator.sampling.top_p": (0.9, {}),
+    "generator.eval_sampling.top_p": (0.9, {}),
+    "generator.sampling.top_k": (5, {}),
+    "generator.eval_sampling.top_k": (5, {}),
+    "generator.sampling.stop": (["\n\n"], {}),
+    "generator.eval_sampling.stop": (["\n\n"], {}),
+    "generator.n_samples_per_prompt": (4, {}),
+    "algorithm.policy_loss_type": ("ppo", {}),
+    "algorithm.eps_clip_low": (0.1, {}),
+    "algorithm.dual_clip_c": (3.0, {}),
+    "algorithm.loss_reduction": ("seq_mean_token_mean", {}),
+    "model.path": ("<model_dir>", {}),
+    "model.tiny.hidden": (256, {}),
+    "model.tiny.heads": (2, {}),
+    "model.tiny.kv_heads": (1, {}),
+    "model.tiny.cache_dir": ("/tmp/models", {}),
+    "model.tiny.family": ("qwen3_5", {}),
+    "data.train_files": (["<data_file>"], {}),
+    "data.val_files": (["<data_file>"], {}),
+    "data.synthetic": (None, {"data.train_files": ["<data_file>"]}),
+    "data.synthetic_dir": ("/tmp/data", {}),
+    "data.max_prompt_length": (32, {}),
+    "data.synthetic_search_relations": (["capital"], {"data.synthetic": "search", "environment.name": "search"}),
+    "data.synthetic_search_warmstart_entities": (10, {"data.synthetic": "search", "environment.name": "search"}),
+    "environment.name": ("search", {"environment.search.retriever_url": "http://127.0.0.1:1"}),
+    "environment.math.answer_pattern": (r"answer: (\d+)", {}),
+    "environment.search.retriever_url": ("http://127.0.0.1:1", {}),
+    "environment.search.corpus_file": ("<data_file>", {}),
+    "environment.search.on_failure": ("raise", {}),
+    "logger.backends": (["jsonl"], {}),
+    "logger.project": ("other", {}),
+    "logger.run_name": ("other", {}),
+    "logger.wandb_mode": ("disabled", {}),
+}
+
+# keys whose only supported value is the default: any other value is rejected, naming the key
+ONLY_ONE_VALUE = {
+    "megatron.pp": 2,                         # no pipeline parallelism in the policy worker
+    "megatron.cp": 2,                         # no context parallelism in the policy worker
+    "generator.backend": "sglang",            # vLLM is the one inference backend
+    "generator.pipeline_parallel_size": 2,    # issue 16: engine PP not supported yet (validation.py)
+    "algorithm.advantage_estimator": "rloo",  # GRPO is the one advantage estimator
+}
+
+# keys that restate others and must match them: alone, any other value is rejected naming the key
+MUST_MATCH = {
+    "trainer.placement.policy_num_workers": 2,       # = megatron.tp*pp*cp*dp
+    "trainer.placement.gpus_per_policy_worker": 1,   # = 1 when gpus_per_engine > 0, else 0
+}
+
+
+def schema_leaves(tp: type = SkyRLConfig, prefix: str = "") -> list[tuple[str, typing.Any]]:
+    """(dotted key, type) of every leaf of the schema, read from the dataclasses."""
+    hints = typing.get_type_hints(tp)
+    out = []
+    for f in fields(tp):
+        t = hints[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        inner = args[0] if len(args) == 1 and typing.get_origin(t) in (typing.Union, types.UnionType) else t
+        key = f"{prefix}{f.name}"
+        if is_dataclass(inner):
+            out += schema_leaves(inner, key + ".")
+        else:
+            out.append((key, t))
+    return out
+
+
+def _default_alternative(key: str, default: typing.Any) -> typing.Any:
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, float):
+        return default * 2 if default else 0.5
+    raise AssertionError(f"{key}: no alternative value known for default {default!r}; add one to ALTERNATIVES")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return compose_config(BASE)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{}")
+    (root / "rows.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}]}) + "\n")
+    return {"<model_dir>": str(root / "model"), "<data_file>": str(root / "rows.jsonl")}
+
+
+def _resolve(value, paths):
+    if isinstance(value, str):
+        return paths.get(value, value)
+    if isinstance(value, list):
+        return [_resolve(v, paths) for v in value]
+    return value
+
+
+def _with(base, settings: dict, paths) -> typing.Any:
+    cfg = copy.deepcopy(base)
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, _resolve(value, paths), merge=False)
+    validate_config(cfg)
+    return cfg
+
+
+LEAVES = [k for k, _ in schema_leaves()]
+
+
+def test_the_walk_sees_every_key():
+    assert len(LEAVES) == len(set(LEAVES)) > 100
+    assert {"trainer.mtp.train_depths", "megatron.head_optimizer.lr_schedule", "logger.wandb_mode",
+            "trainer.checkpoint.export_hf", "logger.verbose"} <= set(LEAVES)
+    stale = (set(ALTERNATIVES) | set(ONLY_ONE_VALUE) | set(MUST_MATCH)) - set(LEAVES)
+    assert not stale, f"entries for keys that no longer exist: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("key", [k for k in LEAVES if k not in ONLY_ONE_VALUE and k not in MUST_MATCH])
+def test_changing_the_key_changes_a_built_component(key, base, paths):
+    default = OmegaConf.select(base, key)
+    value, context, *follow = ALTERNATIVES.get(key, (None, {}))
+    if key not in ALTERNATIVES:
+        value = _default_alternative(key, default)
+    follow = follow[0] if follow else {}
+    assert set(follow) <= set(MUST_MATCH), f"{key}: only MUST_MATCH keys may follow a change"
+    before = built_components(_with(base, context, paths))
+    after = built_components(_with(base, {**context, **follow, key: value}, paths))
+    changed = sorted(name for name in before if before[name] != after[name])
+    assert changed, (f"{key}: setting it to {value!r} (default {default!r}) changes no component built from the "
+                     f"config -- a dead key: make it reach its component in skyrl_mtp/config/build.py or remove it")
+
+
+@pytest.mark.parametrize("key", sorted(ONLY_ONE_VALUE) + sorted(MUST_MATCH))
+def test_single_valued_and_restating_keys_reject_other_values_naming_the_key(key, base, paths):
+    with pytest.raises(ConfigError) as info:
+        _with(base, {key: {**ONLY_ONE_VALUE, **MUST_MATCH}[key]}, paths)
+    leaf = key.rsplit(".", 1)[1]
+    named = [p for p in info.value.problems if p.startswith(f"{key}=") or (key in MUST_MATCH and f"{leaf}=" in p)]
+    assert named, info.value.problems
+    assert len(info.value.problems) == 1, info.value.problems

@@ -1,0 +1,158 @@
+"""Pure parts of adaptive speculation: acceptance estimate, online cost fit, the choice of k, the guard."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_mtp.rollout.adaptive_speculation import (
+    AcceptanceEstimate,
+    AdaptiveSpeculationError,
+    CostModel,
+    OnlineLinearFit,
+    SpeculationPolicy,
+    accepted_counts,
+    best_k,
+    dynamic_schedule,
+    expected_tokens,
+    install,
+)
+
+
+def test_expected_tokens_is_one_plus_sum_of_prefix_products():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == pytest.approx(2.0)
+
+
+def test_acceptance_is_conditional_per_position():
+    est = AcceptanceEstimate(k_max=3, prior_weight=0.0)
+    # 4 requests with 3 drafts: accepted 3, 1, 0, 2; one request with 1 draft, accepted 1
+    est.observe([3, 3, 3, 3, 1], [3, 1, 0, 2, 1])
+    # position 1 reached by all 5 (accepted by 4); position 2 reached by 3 of the k=3 requests with pos 1
+    # accepted (accepted 2 of them); position 3 reached by 2 (accepted by 1)
+    assert est.rates() == pytest.approx([4 / 5, 2 / 3, 1 / 2])
+
+
+def test_acceptance_follows_a_changing_head_and_keeps_unprobed_positions():
+    est = AcceptanceEstimate(k_max=2, decay=0.5, prior_weight=0.0)
+    est.observe([2] * 10, [0] * 10)
+    est.observe([2] * 10, [1] * 10)         # position 2 reached 10 times, never accepted
+    for _ in range(20):
+        est.observe([1] * 10, [1] * 10)     # the head got good at position 1; position 2 not drafted meanwhile
+    rates = est.rates()
+    assert rates[0] > 0.99
+    assert rates[1] == pytest.approx(0.0)   # kept (not decayed towards the prior) until probed again
+
+
+def test_online_linear_fit_recovers_a_line_and_forgets():
+    fit = OnlineLinearFit(2, decay=0.9)
+    for n in range(1, 40):
+        fit.add([1.0, float(n)], 0.003 + 0.0002 * n)
+    w = fit.weights()
+    assert w == pytest.approx([0.003, 0.0002], rel=2e-2)
+    for n in range(1, 200):
+        fit.add([1.0, float(n % 40 + 1)], 0.010 + 0.0002 * (n % 40 + 1))
+    assert fit.weights()[0] == pytest.approx(0.010, rel=3e-2)
+
+
+def _cost(t0, t1, d0, d1, e0, e1) -> CostModel:
+    cost = CostModel()
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        for k in range(4):
+            n = b * (1 + k)
+            cost.observe_target(n, t0 + t1 * n)
+            cost.observe_draft(max(k, 1), b, d0 + d1 * n + max(k - 1, 0) * (e0 + e1 * b))
+    return cost
+
+
+def test_best_k_deepens_at_small_batch_and_stops_at_large_batch():
+    # per-step overhead dominates at batch 1; the verify cost grows with tokens at batch 64
+    cost = _cost(t0=0.010, t1=0.0008, d0=0.002, d1=0.0002, e0=0.002, e1=0.0002)
+    good = [0.9, 0.85, 0.8]
+    k1, _ = best_k(good, cost, 1, 3, skip_drafter_at_zero=True)
+    k64, rates = best_k(good, cost, 64, 3, skip_drafter_at_zero=True)
+    assert k1 == 3
+    assert k64 == 0, rates
+    k_bad, _ = best_k([0.01, 0.01, 0.01], cost, 1, 3, skip_drafter_at_zero=True)
+    assert k_bad == 0
+
+
+def test_policy_calibrates_then_exploits_and_probes():
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=2, probe_every=10)
+    first = [pol.choose(4) for _ in range(6)]
+    assert first == [2, 1, 0, 2, 1, 0]
+    pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002)
+    pol.acceptance.observe([2] * 50, [0] * 50)   # a useless head
+    later = [pol.choose(4) for _ in range(24)]
+    probes = [k for i, k in enumerate(later, start=7) if i % 10 == 0]
+    assert all(k == 0 for i, k in enumerate(later, start=7) if i % 10), later
+    assert probes and all(k == 1 for k in probes)   # from k = 0 the probe is one draft step (the cheapest)
+    st = pol.stats()
+    assert st["steps"] == 30 and st["k_sum"] == sum(first) + sum(later)
+    assert sum(st["k_histogram"]) == 30
+
+
+def test_accepted_counts_from_padded_tensor_and_lists():
+    import torch
+
+    sampled = torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1], [1, 2, 3, 4]])
+    assert accepted_counts(sampled, [3, 3, 3]) == [1, 0, 3]
+    assert accepted_counts([[5, 6], [7], []], [3, 3, 0]) == [1, 0, 0]
+
+
+def test_dynamic_schedule_covers_every_batch_size():
+    assert dynamic_schedule(3, 64) == [(1, 64, 3)]
+
+
+def test_policy_rejects_a_zero_maximum():
+    with pytest.raises(ValueError, match="k_max=0"):
+        SpeculationPolicy(k_max=0)
+
+
+def test_install_fails_loudly_when_vllm_moved():
+    class Runner:   # no propose_draft_token_ids, no drafter
+        def execute_model(self, scheduler_output):
+            return None
+
+    pytest.importorskip("vllm")
+    with pytest.raises(AdaptiveSpeculationError, match="propose_draft_token_ids|sample_tokens"):
+        install(Runner())
+
+
+def test_auto_reaches_the_engine_config_with_its_maximum():
+    from skyrl_mtp.config.build import engine_config, train_depths
+    from skyrl_mtp.config.loader import load_config
+
+    cfg = load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto",
+                       "trainer.mtp.max_speculative_tokens=4"])
+    ec = engine_config(cfg, "/tmp/model")
+    assert ec.adaptive_speculation is True and ec.num_speculative_tokens == 4
+    assert ec.speculative_config["num_speculative_tokens_per_batch_size"] == [(1, ec.max_num_seqs, 4)]
+    assert train_depths(cfg) == 4    # depth-aware training up to the maximum k
+    fixed = engine_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=2"]), "/tmp/model")
+    assert fixed.adaptive_speculation is False and "num_speculative_tokens_per_batch_size" not in fixed.speculative_config
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["trainer.mtp.num_speculative_tokens=banana"], "trainer.mtp.num_speculative_tokens='banana'"),
+    (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.max_speculative_tokens=0"],
+     "trainer.mtp.max_speculative_tokens=0"),
+])
+def test_bad_speculation_keys_are_named(overrides, named):
+    from skyrl_mtp.config.errors import ConfigError
+    from skyrl_mtp.config.loader import load_config
+
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(["recipe=tiny_dapo", *overrides])
+
+
+def test_probabilistic_drafting_reaches_vllm_and_warns_about_the_coupling():
+    from skyrl_mtp.config.build import engine_config
+    from skyrl_mtp.config.loader import load_config
+
+    cfg = load_config(["recipe=tiny_dapo", "trainer.mtp.draft_sample_method=probabilistic", "trainer.mtp.loss_type=tv"])
+    with pytest.warns(UserWarning, match="draft-invariant coupling does not cover"):
+        ec = engine_config(cfg, "/tmp/model")
+    assert ec.speculative_config["draft_sample_method"] == "probabilistic"
+    greedy = engine_config(load_config(["recipe=tiny_dapo"]), "/tmp/model")
+    assert "draft_sample_method" not in greedy.speculative_config

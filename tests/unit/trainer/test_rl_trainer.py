@@ -1,0 +1,210 @@
+"""`RLTrainer`'s own logic with fake engines, policy and environment (no Ray, vLLM or Megatron).
+
+Covered: the dynamic-sampling fallback when no group has reward spread, truncation of the kept groups to
+a multiple of megatron.dp, mini-batch slicing (one policy update per trainer.policy_mini_batch_size
+prompts), the stop at a non-finite loss or grad norm (named, before the sync and the checkpoint, the last
+checkpoint left as it was), and resume bookkeeping (step, data position and metrics after a restart).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from skyrl_mtp.config import load_config
+from skyrl_mtp.data.datasets import PromptExample
+from skyrl_mtp.tracking.tracker import Tracker, read_metrics
+from skyrl_mtp.trainer.batch import Rollout
+from skyrl_mtp.trainer.environments import RolloutGroup
+from skyrl_mtp.trainer.errors import NonFiniteMetricError
+from skyrl_mtp.trainer.run_dir import RunDir
+from skyrl_mtp.trainer.trainer import RLTrainer
+
+
+class FakeWindow:
+    def start(self, label): self.label = label
+    def pause(self): pass
+    def resume(self): pass
+    def stop(self): return {f"rollout/{self.label}/draft_acceptance_rate": 0.5}
+
+
+class FakeEngines:
+    def __init__(self):
+        self.metrics, self.synced, self.last_sync_seconds, self.actors = FakeWindow(), 0, 0.01, []
+
+
+
+class FakeSync:
+    colocate = False
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    def sync(self):
+        self.engines.synced += 1
+        return {}
+
+
+class FakePolicy:
+    """Records what it is asked to train on; `losses` scripts policy/loss per update (default 0.5)."""
+
+    def __init__(self, losses=()):
+        self.losses, self.updates, self.saved, self.loaded = list(losses), [], [], []
+
+    def compute_logprobs(self, batch):
+        return torch.zeros(batch["input_ids"].shape)
+
+    def train_step(self, batch, policy_loss, policy_loss_kwargs):
+        self.updates.append(int(batch["input_ids"].shape[0]))
+        loss = self.losses.pop(0) if self.losses else 0.5
+        return {"policy/loss": loss, "policy/grad_norm": 1.0, "mtp/loss": 2.0}
+
+    def export_weights(self):
+        return {}
+
+    def save_checkpoint(self, path):
+        from pathlib import Path
+
+        (Path(path) / "weights.txt").write_text(f"update {len(self.updates)}")
+        self.saved.append(path)
+
+    def load_checkpoint(self, path):
+        self.loaded.append(path)
+
+
+class FakeEnv:
+    """Sample i of a prompt gets reward `reward(prompt_index, i)`; responses are 2 tokens."""
+
+    def __init__(self, reward):
+        self.reward, self.generated = reward, []
+
+    def generate(self, examples, spec, n):
+        self.generated.append([e.ground_truth for e in examples])
+        return [RolloutGroup(e, [Rollout([1, 2], [3, 4], [-0.5, -0.5], "stop") for _ in range(n)])
+                for e in examples], {}
+
+    def score(self, groups):
+        for g in groups:
+            for i, r in enumerate(g.rollouts):
+                r.reward = float(self.reward(g.example.ground_truth, i))
+        return {"env/scored": float(len(groups))}
+
+
+class ListTracker:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+
+EXAMPLES = [PromptExample([{"role": "user", "content": f"q{i}"}], i) for i in range(64)]
+TOKENIZER = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+
+
+def _trainer(tmp_path, *overrides, policy=None, env=None, tracker=None, run="run"):
+    cfg = load_config(["recipe=tiny_dapo", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "data.shuffle=false",
+                       f"trainer.run_dir={tmp_path / run}", *overrides])
+    rd = RunDir(cfg.trainer.run_dir)
+    rd.create(cfg)
+    engines = FakeEngines()
+    return RLTrainer(cfg, engines=engines, policy=policy or FakePolicy(),
+                     env=env or FakeEnv(lambda p, i: i % 2), tokenizer=TOKENIZER, train_examples=EXAMPLES,
+                     val_examples=[], run_dir=rd, tracker=tracker or ListTracker(), log=lambda m: None,
+                     weight_sync=FakeSync(engines))
+
+
+def test_mini_batches_one_update_per_slice_of_prompts(tmp_path):
+    t = _trainer(tmp_path, "trainer.train_batch_size=8", "trainer.policy_mini_batch_size=3",
+                 "generator.n_samples_per_prompt=4")
+    m = t.train_step()
+    assert t.policy.updates == [3 * 4, 3 * 4, 2 * 4]    # 8 prompts in slices of 3, 4 samples each
+    assert m["train/num_updates"] == 3 and m["train/num_sequences"] == 32
+    assert t.engines.synced == 1 and m["step"] == 1
+
+
+def test_dynamic_sampling_falls_back_to_all_groups_when_none_has_spread(tmp_path):
+    env = FakeEnv(lambda p, i: 1.0)   # every sample right: no group has reward spread
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                 "algorithm.dynamic_sampling.max_gen_rounds=3", env=env)
+    m = t.train_step()
+    assert len(env.generated) == 3                       # it tried every round it was allowed
+    assert m["dynamic_sampling/fallback_all"] == 1.0
+    assert t.policy.updates == [4 * 8]                   # trained on the first round's groups anyway
+    assert m["reward/mean"] == 1.0 and m["reward/num_samples"] == 3 * 4 * 8
+
+
+def test_dynamic_sampling_keeps_only_groups_with_spread(tmp_path):
+    env = FakeEnv(lambda p, i: (i % 2) if p % 2 == 0 else 0.0)   # odd prompts: all-zero groups
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null", env=env)
+    m = t.train_step()
+    assert len(env.generated) == 2 and "dynamic_sampling/fallback_all" not in m
+    assert t.policy.updates == [4 * 8]                   # 2 + 2 groups with spread over two rounds
+
+
+def test_kept_groups_are_truncated_to_a_multiple_of_dp(tmp_path):
+    env = FakeEnv(lambda p, i: (i % 2) if p % 4 else 0.0)   # 3 of every 4 prompts have spread
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                 "megatron.dp=2", "trainer.placement.policy_num_workers=2",
+                 "algorithm.dynamic_sampling.max_gen_rounds=1", env=env)
+    t.train_step()
+    assert t.policy.updates == [2 * 8]                   # 3 kept groups -> 2 (a multiple of dp=2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_loss_stops_the_step_before_sync_and_checkpoint(tmp_path, bad):
+    tracker_dir = tmp_path / "metrics"
+    tracker = Tracker(tracker_dir, ("jsonl",))
+    policy = FakePolicy(losses=[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, bad])
+    t = _trainer(tmp_path, "trainer.train_batch_size=8", "trainer.policy_mini_batch_size=4",
+                 "trainer.checkpoint.every_n_steps=2", "trainer.total_steps=10", policy=policy, tracker=tracker)
+    for _ in range(4):
+        t.train_step()                                    # checkpoints at steps 2 and 4
+    ckpt = t.run_dir.latest()
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    synced = t.engines.synced
+    with pytest.raises(NonFiniteMetricError) as info:
+        t.train_step()                                    # step 5, mini-batch 1: the scripted non-finite loss
+    msg = str(info.value)
+    assert f"policy/loss={bad}" in msg and "at step 5" in msg and "mini-batch 1 of 2" in msg
+    assert str(ckpt) in msg and "was not modified" in msg
+    assert t.engines.synced == synced and t.step == 4    # no weight sync, the step never completed
+    assert t.run_dir.latest() == ckpt
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    tracker.close()
+    last = read_metrics(tracker_dir / "metrics.jsonl")[-1]
+    assert last["step"] == 5 and last["policy/loss"] == str(bad) and "policy/loss" in last["nonfinite_metrics"]
+
+
+def test_resume_restores_step_and_data_position(tmp_path):
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                 "trainer.checkpoint.every_n_steps=2", "trainer.total_steps=4")
+    t.fit()
+    env_a = t.env
+    assert t.step == 4 and [p.rsplit("_", 1)[1] for p in map(str, t.policy.saved)] == ["2", "4"]
+    state = json.loads((t.run_dir.latest() / "trainer_state.json").read_text())
+    assert state["step"] == 4
+
+    # a second run in the same run_dir with a larger budget: resumes at 4, draws the batches an unbroken run would
+    r = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                 "trainer.checkpoint.every_n_steps=2", "trainer.total_steps=6")
+    assert r.resume_if_possible() == 4 and r.step == 4
+    assert r.policy.loaded == [str(r.run_dir.latest())]
+    r.fit()
+    assert r.step == 6
+    unbroken = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                        "trainer.total_steps=6", run="unbroken")
+    unbroken.fit()
+    assert r.env.generated == unbroken.env.generated[len(env_a.generated):]
+
+
+def test_resume_never_starts_fresh(tmp_path):
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                 "trainer.checkpoint.every_n_steps=1", "trainer.total_steps=1")
+    t.fit()
+    r = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
+                 "trainer.resume=never")
+    assert r.resume_if_possible() == 0 and r.step == 0 and r.policy.loaded == []
