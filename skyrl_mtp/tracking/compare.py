@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-VOLATILE = ("timing/", "tokens_per_s", "active_seconds")
+# wall-clock metrics (phase timings, throughput, sync and retriever times) never repeat across runs
+VOLATILE = ("timing/", "tokens_per_s", "seconds", "latency")
 DRAFT_DEPENDENT = ("mtp/", "draft_acceptance_rate", "mean_acceptance_length", "num_drafts", "num_draft_tokens",
                    "num_accepted_tokens")
 

@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from skyrl_mtp.tracking.compare import compare_policy_runs
+from skyrl_mtp.tracking.compare import (
+    VOLATILE,  # identical metrics across runs exclude wall-clock ones
+    compare_policy_runs,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,8 +27,6 @@ SMALL = ["recipe=tiny_dapo", "trainer.train_batch_size=4", "generator.n_samples_
          "trainer.policy_mini_batch_size=2", "generator.sampling.max_tokens=24", "generator.eval_sampling.max_tokens=24",
          "trainer.eval_batch_size=8", "megatron.head_optimizer.lr=1.0e-2", "trainer.progress_bar=false",
          "algorithm.dynamic_sampling.max_gen_rounds=1"]
-# identical metrics across runs exclude wall-clock ones
-VOLATILE = ("timing/", "tokens_per_s", "active_seconds")
 
 
 def metrics(run: Path) -> dict[int, dict]:
