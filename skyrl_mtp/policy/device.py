@@ -8,6 +8,10 @@ Under Ray, an actor started with ``num_gpus=1`` sees exactly its GPU(s) through 
 (Ray sets it), so its device is ``cuda:0`` of its own view; an actor without a GPU sees none (Ray sets an
 empty ``CUDA_VISIBLE_DEVICES``) and runs on the CPU. Outside Ray (spawned test ranks, torchrun) a rank
 takes ``cuda:LOCAL_RANK`` when CUDA is present.
+
+``SKYRL_MTP_MEGATRON_OPTIMIZER_ON_CPU=1`` (opt-in, for tests) gives a CPU rank the Megatron DDP + distributed
+optimizer path too, run on CPU tensors and gloo under ``cpu_shim.megatron_optimizer_on_cpu``: the GPU path's
+own code, executed where no GPU exists. Without it a CPU rank takes torch AdamW (``TorchSideOptimizer``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+CPU_MEGATRON_OPTIMIZER_ENV = "SKYRL_MTP_MEGATRON_OPTIMIZER_ON_CPU"
+
 
 @dataclass(frozen=True)
 class RankDevice:
     device: torch.device
     backend: str  # torch.distributed backend: "nccl" on CUDA, "gloo" on CPU
+    cpu_megatron_optimizer: bool = False  # CPU rank on the Megatron optimizer path (CPU_MEGATRON_OPTIMIZER_ENV)
 
     @property
     def is_cuda(self) -> bool:
@@ -29,8 +36,9 @@ class RankDevice:
 
     @property
     def megatron_optimizer(self) -> bool:
-        """Megatron DDP grad buffers + distributed optimizer (CUDA-only in megatron-core); torch AdamW on CPU."""
-        return self.is_cuda
+        """Megatron DDP grad buffers + distributed optimizer on GPU (and on CPU when opted in); torch AdamW
+        otherwise."""
+        return self.is_cuda or self.cpu_megatron_optimizer
 
 
 def choose_device(*, cuda_available: bool, cuda_device_count: int, ray_gpu_ids: list | None,
@@ -60,11 +68,22 @@ def _ray_gpu_ids() -> list | None:
     return list(ray.get_gpu_ids())
 
 
+def cpu_megatron_optimizer_requested() -> bool:
+    """``CPU_MEGATRON_OPTIMIZER_ENV``: unset/"0" (torch AdamW on CPU ranks) or "1" (Megatron's optimizer)."""
+    value = os.environ.get(CPU_MEGATRON_OPTIMIZER_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{CPU_MEGATRON_OPTIMIZER_ENV}={value!r} is invalid; allowed: '0', '1'")
+    return value == "1"
+
+
 def rank_device() -> RankDevice:
     """This process's device, from its Ray GPU assignment (or LOCAL_RANK outside Ray)."""
     available = torch.cuda.is_available()
-    return choose_device(cuda_available=available, cuda_device_count=torch.cuda.device_count() if available else 0,
-                         ray_gpu_ids=_ray_gpu_ids(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    dev = choose_device(cuda_available=available, cuda_device_count=torch.cuda.device_count() if available else 0,
+                        ray_gpu_ids=_ray_gpu_ids(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if not dev.is_cuda and cpu_megatron_optimizer_requested():
+        return RankDevice(dev.device, dev.backend, cpu_megatron_optimizer=True)
+    return dev
 
 
 def activate(dev: RankDevice) -> None:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                   "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata")
 DRAFTER_PROPOSE_PARAMS = ("num_speculative_tokens", "common_attn_metadata")
+SAMPLE_PARAMS = ("logits", "spec_decode_metadata")
 
 
 class AdaptiveSpeculationError(RuntimeError):
@@ -169,11 +170,16 @@ class CostModel:
 
 def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int, skip_drafter_at_zero: bool
            ) -> tuple[int, list[float]]:
-    """argmax_k expected tokens per second per request (ties -> smaller k); also the rates per k."""
-    rates = []
+    """argmax_k expected tokens per second per request (ties -> smaller k); also the rates per k.
+
+    A step with more drafts does strictly more work, so the predicted cost is made non-decreasing in k: a
+    fit from noisy timings (a loaded machine) can otherwise predict a deeper step to be cheaper and pick k
+    where the drafts buy nothing."""
+    rates, floor = [], 0.0
     for k in range(k_max + 1):
         runs = k > 0 or not skip_drafter_at_zero
-        rates.append(expected_tokens(alphas, k) / cost.step_seconds(batch, k, runs))
+        floor = max(floor, cost.step_seconds(batch, k, runs))
+        rates.append(expected_tokens(alphas, k) / floor)
     best = max(range(k_max + 1), key=lambda k: (rates[k], -k))
     return best, rates
 
@@ -265,8 +271,11 @@ def check_runner(runner: Any) -> None:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     name = type(runner).__name__
-    for attr in ("execute_model", "sample_tokens", "propose_draft_token_ids", "drafter", "speculative_config"):
+    for attr in ("execute_model", "sample_tokens", "propose_draft_token_ids", "drafter", "speculative_config",
+                 "_sample", "sampler", "device"):
         _require(hasattr(runner, attr), f"model runner {name} has no `{attr}`")
+    got = _params(runner._sample)
+    _require(got == SAMPLE_PARAMS, f"{name}._sample parameters are {got}, expected {SAMPLE_PARAMS}")
     got = _params(runner.propose_draft_token_ids)
     _require(all(p in got for p in PROPOSE_PARAMS),
              f"{name}.propose_draft_token_ids parameters are {got}, expected {PROPOSE_PARAMS}")
@@ -297,8 +306,11 @@ class _Hook:
         self.step_tokens = 0
         self.draft_seconds = 0.0
         self.skipped_drafter = 0
+        self.plain_sampled_steps = 0
         orig_exec, orig_sample = runner.execute_model, runner.sample_tokens
         orig_propose, orig_drafter_propose = runner.propose_draft_token_ids, runner.drafter.propose
+        orig_sample_logits = runner._sample
+        propose_sig, drafter_sig = inspect.signature(orig_propose), inspect.signature(orig_drafter_propose)
 
         def execute_model(scheduler_output, *args, **kwargs):
             self.step_t0 = time.perf_counter()
@@ -315,14 +327,22 @@ class _Hook:
             return out
 
         def propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs):
-            bound = inspect.signature(orig_propose).bind_partial(scheduler_output, sampled_token_ids, *args, **kwargs)
+            bound = propose_sig.bind_partial(scheduler_output, sampled_token_ids, *args, **kwargs)
             meta = bound.arguments.get("spec_decode_metadata")
-            if meta is not None:
+            if meta is not None and any(meta.num_draft_tokens):
                 drafts = [int(d) for d in meta.num_draft_tokens]
                 self.policy.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))
             batch = len(scheduler_output.num_scheduled_tokens)
             k = self.policy.choose(batch)
             scheduler_output.num_spec_tokens_to_schedule = k
+            if k == 0 and self.policy.skip_drafter_at_zero:
+                # vLLM's runner would still build the drafter's inputs (next tokens, attention metadata)
+                # before the drafter is skipped; no drafts are needed, so none of that is done
+                import torch
+
+                self.skipped_drafter += 1
+                self.draft_seconds = 0.0
+                return torch.empty(batch, 0, dtype=torch.int64, device=runner.device)
             t0 = time.perf_counter()
             out = orig_propose(scheduler_output, sampled_token_ids, *args, **kwargs)
             seconds = time.perf_counter() - t0
@@ -332,7 +352,7 @@ class _Hook:
             return out
 
         def drafter_propose(*args, **kwargs):
-            bound = inspect.signature(orig_drafter_propose).bind_partial(*args, **kwargs)
+            bound = drafter_sig.bind_partial(*args, **kwargs)
             k = bound.arguments.get("num_speculative_tokens")
             if k == 0 and self.policy.skip_drafter_at_zero:
                 import torch
@@ -342,13 +362,24 @@ class _Hook:
                 return torch.empty(batch, 0, dtype=torch.int64, device=runner.device)
             return orig_drafter_propose(*args, **kwargs)
 
+        def sample_logits(logits, spec_decode_metadata):
+            # A step in which no request carries a draft: the rejection sampler would only draw the bonus
+            # token, which is what the plain sampler draws (same generators, same logprobs), at a fraction
+            # of the cost; vLLM's runner still routes such steps through it once drafting is configured.
+            if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
+                self.plain_sampled_steps += 1
+                return orig_sample_logits(logits, None)
+            return orig_sample_logits(logits, spec_decode_metadata)
+
         runner.execute_model = execute_model
+        runner._sample = sample_logits
         runner.sample_tokens = sample_tokens
         runner.propose_draft_token_ids = propose_draft_token_ids
         runner.drafter.propose = drafter_propose
 
     def stats(self) -> dict[str, Any]:
-        return {**self.policy.stats(), "skipped_drafter_steps": self.skipped_drafter}
+        return {**self.policy.stats(), "skipped_drafter_steps": self.skipped_drafter,
+                "plain_sampled_steps": self.plain_sampled_steps}
 
 
 def install(runner: Any, k_max: int | None = None, **policy_kwargs: Any) -> _Hook:

@@ -98,3 +98,68 @@ def apply_cpu_shim(*, force: bool = False) -> bool:
 
 def shim_active() -> bool:
     return _APPLIED
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Megatron's DDP grad buffers + distributed optimizer on CPU (opt-in, for tests: policy/device.py)
+#
+# The optimizer side of megatron-core hard-codes CUDA in many small places (0.16.1):
+#   tensors created with ``device='cuda'``: optimizer/optimizer.py MixedPrecisionOptimizer.__init__
+#   (_dummy_overflow_buf, _scale_one), optimizer/clip_grads.py get_grad_norm_fp32 /
+#   clip_grad_by_total_norm_fp32 / count_zeros_fp32, utils.py local_multi_tensor_l2_norm;
+#   type-string checks ``param.type() == 'torch.cuda.FloatTensor'`` (and Half/BFloat16):
+#   optimizer/distrib_optimizer.py DistributedOptimizer.__init__ / _build_model_and_main_param_groups,
+#   optimizer/clip_grads.py clip_grad_by_total_norm_fp32; ``.cuda()`` on loaded state.
+# Everything else on that path (buffers, reduce-scatter / all-gather, torch AdamW as the inner optimizer
+# when neither TE nor Apex is installed) is device-agnostic or asks ``torch.cuda.current_device()``, which
+# ``apply_cpu_shim`` already answers with the CPU. Rather than patch each function, the Megatron optimizer
+# calls run under one TorchFunctionMode that, inside its scope only, (1) turns a ``device`` argument naming
+# CUDA into the CPU, (2) makes ``Tensor.cuda()`` a no-op on CPU tensors and (3) lets a CPU float tensor answer
+# ``.type()`` with its CUDA type name. Any other CUDA API (streams, events, NCCL allocator) still fails loudly.
+# ---------------------------------------------------------------------------------------------------------
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _names_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # a CUDA ordinal
+
+
+def _cuda_on_cpu_mode():
+    from torch.overrides import TorchFunctionMode
+
+    tensor_type = _require_attr(torch.Tensor, "type", "torch.Tensor")
+    tensor_cuda = _require_attr(torch.Tensor, "cuda", "torch.Tensor")
+
+    class CudaOnCpuMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if "device" in kwargs and _names_cuda(kwargs["device"]):
+                kwargs["device"] = torch.device("cpu")
+            if func is tensor_cuda and args and args[0].device.type == "cpu":
+                return args[0]
+            if func is tensor_type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return _CUDA_TYPE_NAMES.get(name, name) if args[0].device.type == "cpu" else name
+            return func(*args, **kwargs)
+
+    return CudaOnCpuMode()
+
+
+@contextmanager
+def megatron_optimizer_on_cpu():
+    """Scope in which megatron-core's DDP / distributed-optimizer calls run on CPU tensors (see above).
+    Needs ``apply_cpu_shim`` (``torch.cuda.current_device()`` -> CPU); fails loudly otherwise."""
+    if not _APPLIED:
+        raise CpuShimError("megatron_optimizer_on_cpu needs apply_cpu_shim() first (torch.cuda.current_device "
+                           "must answer the CPU)")
+    from torch import overrides
+
+    _require_attr(overrides, "TorchFunctionMode", "torch.overrides")
+    with _cuda_on_cpu_mode():
+        yield

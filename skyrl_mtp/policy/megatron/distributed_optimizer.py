@@ -9,13 +9,23 @@ parameter (its grad-norm and clip are the policy's alone) and the head's never s
 
 ``MegatronSideOptimizer`` offers what the policy worker calls on either path (zero_grad, reduce grads,
 clip + step, LR, state dicts); ``TorchSideOptimizer`` (optimizers.py: AdamW + manual DP all-reduce) is
-the CPU twin. Which one a rank gets is decided by ``policy/device.py``.
+the CPU twin. Which one a rank gets is decided by ``policy/device.py`` (which can also put a CPU rank on this
+path: its parameters are then CPU tensors and every Megatron call runs under
+``cpu_shim.megatron_optimizer_on_cpu``).
+
+Gradients are summed over data parallel, not averaged: the policy worker already normalises each rank's loss
+by the global token count (as ``TorchSideOptimizer``'s all-reduce sums), so the DDP wrapper is built with
+``calculate_per_token_loss`` (Megatron's "no 1/DP pre-scaling") on a private copy of the model config.
+Both sides use one parameter group with the side's weight decay on every parameter (like torch AdamW on the
+CPU path): Megatron's default bias/norm ``wd_mult=0`` groups only take effect through Megatron's own LR/WD
+scheduler, which this project does not use (a LambdaLR drives the LR).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -53,8 +63,11 @@ def megatron_ddp(model: torch.nn.Module, module: torch.nn.Module, params: list[t
 
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=distributed)
+    _require(model.config, "calculate_per_token_loss", "megatron TransformerConfig")
+    summed = copy.copy(model.config)  # the model's own config keeps its value (the MTP loss reads it)
+    summed.calculate_per_token_loss = True  # DP-summed grads: the loss is already globally normalised
     with _only_trainable(params, others):
-        ddp = DistributedDataParallel(model.config, ddp_cfg, module)
+        ddp = DistributedDataParallel(summed, ddp_cfg, module)
     for name in ("zero_grad_buffer", "finish_grad_sync", "buffers"):
         _require(ddp, name, "megatron DistributedDataParallel")
     return ddp
@@ -66,6 +79,19 @@ def ddp_buffer_params(ddp) -> set[torch.nn.Parameter]:
     for buf in ddp.buffers:
         out.update(_require(buf, "param_index_map", "megatron _ParamAndGradBuffer").keys())
     return out
+
+
+def _device_scope(params: list[torch.nn.Parameter]):
+    """The context every Megatron DDP / optimizer call of a side runs in: none on GPU, the CPU emulation
+    (``cpu_shim.megatron_optimizer_on_cpu``) when the side's parameters are CPU tensors."""
+    devices = {p.device.type for p in params}
+    if devices == {"cuda"}:
+        return nullcontext
+    if devices == {"cpu"}:
+        from .cpu_shim import megatron_optimizer_on_cpu
+
+        return megatron_optimizer_on_cpu
+    raise MegatronOptimizerError(f"a side's parameters must all be on one device type, got {sorted(devices)}")
 
 
 class MegatronSideOptimizer:
@@ -82,22 +108,30 @@ class MegatronSideOptimizer:
         cfg = model.config
         bf16, fp16 = bool(getattr(cfg, "bf16", False)), bool(getattr(cfg, "fp16", False))
         self.params = params
-        with _only_trainable(params, others):
+        self._scope = _device_scope(params)
+        with self._scope(), _only_trainable(params, others):
             self.ddp = megatron_ddp(model, module, params, others, distributed=distributed)
             opt_cfg = mopt.OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay,
                                            adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), adam_eps=eps,
                                            clip_grad=grad_clip, bf16=bf16, fp16=fp16,
                                            params_dtype=next(iter(params)).dtype,
                                            use_distributed_optimizer=distributed)
-            self.opt = mopt.get_megatron_optimizer(opt_cfg, [self.ddp])
+            # config_overrides={}: one group, the side's weight decay on every parameter (module docstring)
+            self.opt = mopt.get_megatron_optimizer(opt_cfg, [self.ddp], config_overrides={})
+        inner = _require(self.opt, "chained_optimizers", "megatron ChainedOptimizer")
+        if len(inner) != 1:
+            raise MegatronOptimizerError(f"expected one Megatron optimizer per side (dense params only), got {len(inner)}")
+        self.inner = inner[0]  # the DistributedOptimizer (FP32Optimizer when not distributed)
 
     def zero_grad(self) -> None:
-        self.ddp.zero_grad_buffer()
-        self.opt.zero_grad()
+        with self._scope():
+            self.ddp.zero_grad_buffer()
+            self.opt.zero_grad()
 
     def reduce_grads(self) -> None:
         """All-reduce (or reduce-scatter, distributed) the fp32 main grads over data parallel."""
-        self.ddp.finish_grad_sync()
+        with self._scope():
+            self.ddp.finish_grad_sync()
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
@@ -106,21 +140,63 @@ class MegatronSideOptimizer:
 
     def step(self) -> float:
         """Clip (by ``clip_grad``, over this side's params only) and step; returns the pre-clip grad-norm."""
-        ok, grad_norm, _zeros = self.opt.step()
+        with self._scope():
+            ok, grad_norm, _zeros = self.opt.step()
         if not ok:
             raise FloatingPointError("Megatron optimizer skipped the step (inf/nan in the gradients)")
         return float(grad_norm) if grad_norm is not None else math.nan
 
     def state_dict(self) -> dict:
-        """This DP rank's optimizer: param groups plus its shard of fp32 master weights and Adam moments
-        (a checkpoint is resumed with the same TP x DP layout)."""
-        get = _require(self.opt, "get_parameter_state_dp_reshardable", "megatron DistributedOptimizer")
-        return {"opt": self.opt.state_dict(), "param_state": get()}
+        """This DP rank's optimizer: param groups plus its shard of fp32 master weights and Adam moments, as
+        CPU copies (a snapshot; a checkpoint is resumed with the same TP x DP layout)."""
+        get = _require(self.inner, "get_parameter_state_dp_reshardable", "megatron DistributedOptimizer")
+        with self._scope():
+            opt, param_state = self.opt.state_dict(), get()
+        return {"opt": opt, "param_state": _snapshot_param_state(param_state)}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.opt.load_state_dict(sd["opt"])
-        _require(self.opt, "load_parameter_state_from_dp_reshardable", "megatron DistributedOptimizer")(
-            sd["param_state"])
+        load = _require(self.inner, "load_parameter_state_from_dp_reshardable", "megatron DistributedOptimizer")
+        # no_grad: with fp32 params the master shard is a view of the model param (a leaf that requires grad),
+        # and megatron-core's loader copies into it in place without disabling autograd
+        with self._scope(), torch.no_grad():
+            self.opt.load_state_dict(sd["opt"])
+            load(sd["param_state"])
+        _unshare_adam_steps(self.torch_optimizer)
+
+
+def _unshare_adam_steps(opt: torch.optim.Optimizer) -> None:
+    """One ``step`` tensor per parameter state again after a load.
+
+    megatron-core 0.16.1 ``DistributedOptimizer.load_state_dict`` (torch-optimizer branch, i.e. without TE or
+    Apex, as in this project) assigns the *same* ``step`` tensor to every parameter's state; torch's AdamW
+    increments each parameter's step in place, so after a resume the shared counter would advance once per
+    parameter per step and corrupt Adam's bias correction."""
+    seen: set[int] = set()
+    for state in opt.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(state["step"]))
+
+
+def _snapshot_param_state(state: dict) -> dict:
+    """``get_parameter_state_dp_reshardable()`` -> what ``load_parameter_state_from_dp_reshardable`` reads back.
+
+    The getter hands out the live shard tensors, one dict per parameter of each bucket; the loader also
+    expects each such dict to say whether it is ``padding`` (a flag megatron-core's own dist-checkpointing
+    wrapper adds, 0.16.1 ``sharded_param_state_dp_reshardable``): the getter's entries are parameters, never
+    padding. Tensors are copied to the CPU so that later steps do not change the snapshot."""
+    out = {}
+    for key, value in state.items():
+        if key in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            out[key] = copy.deepcopy(value)
+            continue
+        out[key] = {dtype: [[{**{k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                                   for k, v in entry.items()}, "padding": False}
+                             for entry in bucket] for bucket in buckets]
+                    for dtype, buckets in value.items()}
+    return out
 
 
 def build_megatron_side_optimizers(model: torch.nn.Module, policy_params, head_params, *, policy_kw: dict,

@@ -52,6 +52,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     assert len(hist) == 4 and sum(hist) == stats["steps"] > 0
     assert sum(1 for h in hist if h) >= 3, hist        # calibration cycled k over 0..3 and the policy chose
     assert stats["skipped_drafter_steps"] == hist[0]    # k = 0: the drafter did not run
+    assert stats["plain_sampled_steps"] > 0             # steps without drafts took vLLM's plain sampler
     # the oracle head: greedy drafts are always accepted, so the live estimate at position 1 is high
     assert stats["acceptance_per_pos"][0] > 0.5, stats
     assert engine_pool.get("auto").engine_infos[0]["adaptive_speculation"] == {"k_max": 3, "runner": "CPUModelRunner"}

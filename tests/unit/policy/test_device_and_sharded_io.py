@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from skyrl_mtp.models.families.base import WeightMappingError
-from skyrl_mtp.policy.device import choose_device
+from skyrl_mtp.policy.device import CPU_MEGATRON_OPTIMIZER_ENV, choose_device, rank_device
 from skyrl_mtp.policy.megatron.hf_bridge import hf_to_megatron
 from skyrl_mtp.policy.megatron.hf_export import StreamExportError, write_safetensors_stream
 from skyrl_mtp.policy.megatron.model_builder import model_args_from_checkpoint
@@ -31,6 +31,18 @@ def test_choose_device(kw, expect):
     d = choose_device(**kw)
     assert (str(d.device), d.backend) == expect
     assert d.megatron_optimizer == (expect[1] == "nccl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the opt-in concerns CPU ranks")
+def test_cpu_rank_opts_into_the_megatron_optimizer_by_env(monkeypatch):
+    monkeypatch.delenv(CPU_MEGATRON_OPTIMIZER_ENV, raising=False)
+    assert not rank_device().megatron_optimizer
+    monkeypatch.setenv(CPU_MEGATRON_OPTIMIZER_ENV, "1")
+    d = rank_device()
+    assert (str(d.device), d.backend, d.megatron_optimizer) == ("cpu", "gloo", True)
+    monkeypatch.setenv(CPU_MEGATRON_OPTIMIZER_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{CPU_MEGATRON_OPTIMIZER_ENV}='yes' is invalid; allowed: '0', '1'"):
+        rank_device()
 
 
 def test_choose_device_refuses_a_gpu_torch_cannot_see():

@@ -44,6 +44,23 @@ def test_cpu_shim_applies_and_tracker_forks_on_cpu():
     assert torch.equal(a, torch.rand(3, generator=torch.Generator().manual_seed(123)))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the emulation is for CPU-only machines")
+def test_megatron_optimizer_emulation_is_scoped():
+    assert cpu_shim.apply_cpu_shim()
+    x = torch.ones(2)
+    with cpu_shim.megatron_optimizer_on_cpu():
+        made = torch.tensor([0.0], dtype=torch.float, device="cuda")
+        zeros = torch.zeros(1, dtype=torch.int, device=torch.device("cuda", 0))
+        assert made.device.type == zeros.device.type == "cpu"
+        assert x.cuda() is x
+        assert (x.type(), x.bfloat16().type(), x.long().type()) == (
+            "torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor", "torch.LongTensor")
+        assert x.type(torch.float64).dtype == torch.float64         # the conversion form is untouched
+    assert x.type() == "torch.FloatTensor"                          # nothing leaks out of the scope
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+
+
 def test_segment_positions_and_mask():
     seg = torch.tensor([[0, 0, 0, 1, 1, -1]])
     assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0]]

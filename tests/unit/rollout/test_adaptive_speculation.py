@@ -77,6 +77,20 @@ def test_best_k_deepens_at_small_batch_and_stops_at_large_batch():
     assert k_bad == 0
 
 
+def test_a_fit_that_calls_deeper_steps_cheaper_does_not_buy_useless_drafts():
+    # noisy timings on a loaded machine: both fits' slopes came out negative
+    cost = CostModel()
+    for b in (8, 16, 32):
+        for k in range(4):
+            cost.observe_target(b * (1 + k), 0.012 - 0.00001 * b * (1 + k))
+            cost.observe_draft(max(k, 1), b, 0.004 - 0.003 * max(k - 1, 0))
+    assert cost.step_seconds(16, 3, True) < cost.step_seconds(16, 0, False)   # the fit really is non-monotone
+    k, rates = best_k([0.0, 0.5, 0.5], cost, 16, 3, skip_drafter_at_zero=True)
+    assert k == 0, rates        # no accepted draft at position 1: every deeper k emits one token per step
+    k_good, _ = best_k([0.95, 0.95, 0.95], cost, 16, 3, skip_drafter_at_zero=True)
+    assert k_good == 3          # with a good head the same fit still deepens
+
+
 def test_policy_calibrates_then_exploits_and_probes():
     pol = SpeculationPolicy(k_max=2, warmup_cycles=2, probe_every=10)
     first = [pol.choose(4) for _ in range(6)]
