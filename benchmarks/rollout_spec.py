@@ -31,8 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-# --quick: a smoke size (k=1 only, a small model, one repetition); explicit flags still win
-QUICK = dict(draft_heads=["oracle"], ks=["1", "auto"], batches=[2], prompt_len=8, max_tokens=16, reps=1, hidden=128, layers=2, heads=2, kv_heads=1,
+# --quick: a smoke size (no-spec and auto-k engines, a small model, one repetition); explicit flags still win
+QUICK = dict(draft_heads=["oracle"], ks=["auto"], batches=[2], prompt_len=8, max_tokens=16, reps=1, hidden=128, layers=2, heads=2, kv_heads=1,
              intermediate=384, vocab=1024)
 
 

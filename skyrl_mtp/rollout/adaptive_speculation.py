@@ -207,6 +207,12 @@ class SpeculationPolicy:
             self.acceptance = AcceptanceEstimate(self.k_max)
         self.histogram = [0] * (self.k_max + 1)
 
+    @property
+    def timing_valid(self) -> bool:
+        """False during the first calibration cycle: the first step at each depth pays one-off costs
+        (kernel selection, buffer allocation) that would bias the cost fit for a long time."""
+        return self.steps > self.k_max + 1
+
     def choose(self, batch: int) -> int:
         self.steps += 1
         cycle = self.k_max + 1
@@ -322,7 +328,8 @@ class _Hook:
             out = orig_sample(*args, **kwargs)
             if self.step_t0 is not None and self.step_tokens:
                 total = time.perf_counter() - self.step_t0
-                self.policy.cost.observe_target(self.step_tokens, max(total - self.draft_seconds, 0.0))
+                if self.policy.timing_valid:
+                    self.policy.cost.observe_target(self.step_tokens, max(total - self.draft_seconds, 0.0))
             self.step_t0 = None
             return out
 
@@ -347,7 +354,7 @@ class _Hook:
             out = orig_propose(scheduler_output, sampled_token_ids, *args, **kwargs)
             seconds = time.perf_counter() - t0
             self.draft_seconds = seconds
-            if k > 0 or not self.policy.skip_drafter_at_zero:
+            if (k > 0 or not self.policy.skip_drafter_at_zero) and self.policy.timing_valid:
                 self.policy.cost.observe_draft(max(k, 1), batch, seconds)
             return out
 
