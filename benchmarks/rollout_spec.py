@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", nargs="+", default=["1", "2", "3", "auto"], help="ints >= 1 and/or auto")
     ap.add_argument("--auto-max", type=int, default=3, help="the maximum k of the auto rows")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--draft-heads", nargs="+", default=["oracle", "random"], choices=["oracle", "random"])
+    ap.add_argument("--draft-heads", nargs="+", default=["oracle", "random"], choices=["oracle", "random", "trained"],
+                    help="trained: the head in --trained-ckpt (benchmarks/draft_head_training.py --save-trained)")
+    ap.add_argument("--trained-ckpt", default=None, help="an HF checkpoint with the oracle's trunk and a trained head")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         a = ap.parse_args(argv)
     if any(not (k == "auto" or (k.isdigit() and int(k) >= 1)) for k in a.ks):
         ap.error(f"--ks={a.ks} is invalid: every k must be an int >= 1 or auto (k=0, no spec, is always measured)")
+    if "trained" in a.draft_heads and not (a.trained_ckpt and (Path(a.trained_ckpt) / "config.json").is_file()):
+        ap.error(f"--draft-heads trained needs --trained-ckpt (an HF checkpoint directory); got {a.trained_ckpt!r}")
     if a.auto_max < 1 or any(b < 1 for b in a.batches):
         ap.error(f"--auto-max={a.auto_max} and --batches={a.batches} must be >= 1")
     a.ks = [k if k == "auto" else int(k) for k in a.ks]
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                 adaptive_speculation=k == "auto").speculative_config
         for head in a.draft_heads:   # k = 0 too: the two checkpoints' trunks differ (own no-spec reference)
             # a fresh engine per head (the weight sync itself is measured by the trainer: sync/* metrics)
-            llm = LLM(**{**base, "model": str(random_ckpt if head == "random" else oracle)},
+            path = {"random": random_ckpt, "oracle": oracle, "trained": a.trained_ckpt}[head]
+            llm = LLM(**{**base, "model": str(path)},
                       speculative_config=spec_cfg)
             try:
                 if k == "auto":

@@ -27,6 +27,8 @@ EXPECTED = {
                        "train_step_ratio_mtp_on_off_cheap", "flop_floor_ratio_mtp_on_off_cheap"},
                       {"loss_type", "chunked", "time_ms", "peak_mem_mb", "ratio_to_policy_fwd_bwd"}),
     "draft_loss_math.py": ({"rows"}, {"loss_type", "chunked", "time_ms", "peak_mem_mb"}),
+    "draft_head_training.py": ({"rows"}, {"variant", "train_depths", "loss_type", "position_fraction", "draft_sample_method",
+                                          "k", "acceptance_rate", "acceptance_per_pos", "acceptance_vs_oracle"}),
     "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
                                    "speedup_vs_no_spec", "predicted_speedup"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),

@@ -1,8 +1,9 @@
 """Two independent optimizers: one for the policy (trunk), one for the MTP head.
 
-On CPU (and by default) both are torch AdamW, each with its own hyper-parameters, LR schedule
-(constant / linear / cosine after a linear warmup) and grad-norm clipping; Megatron's DDP / distributed optimizer hard-code CUDA. ``build_optimizer`` is
-the one seam where a GPU build would plug Megatron's distributed optimizer in.
+On CPU ranks both are torch AdamW (``TorchSideOptimizer``), each with its own hyper-parameters, LR schedule
+(constant / linear / cosine after a linear warmup) and grad-norm clipping. GPU ranks (and CPU ranks that opt
+in, for tests) take Megatron's DDP + distributed optimizer instead (``distributed_optimizer.py``); which one a
+rank gets is decided by ``policy/device.py``.
 """
 
 from __future__ import annotations
