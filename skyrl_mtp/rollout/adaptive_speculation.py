@@ -314,9 +314,9 @@ class _Hook:
         self.skipped_drafter = 0
         self.plain_sampled_steps = 0
         orig_exec, orig_sample = runner.execute_model, runner.sample_tokens
-        orig_propose, orig_drafter_propose = runner.propose_draft_token_ids, runner.drafter.propose
+        orig_propose = runner.propose_draft_token_ids
         orig_sample_logits = runner._sample
-        propose_sig, drafter_sig = inspect.signature(orig_propose), inspect.signature(orig_drafter_propose)
+        propose_sig = inspect.signature(orig_propose)
 
         def execute_model(scheduler_output, *args, **kwargs):
             self.step_t0 = time.perf_counter()
@@ -358,17 +358,6 @@ class _Hook:
                 self.policy.cost.observe_draft(max(k, 1), batch, seconds)
             return out
 
-        def drafter_propose(*args, **kwargs):
-            bound = drafter_sig.bind_partial(*args, **kwargs)
-            k = bound.arguments.get("num_speculative_tokens")
-            if k == 0 and self.policy.skip_drafter_at_zero:
-                import torch
-
-                self.skipped_drafter += 1
-                batch = bound.arguments["common_attn_metadata"].batch_size()
-                return torch.empty(batch, 0, dtype=torch.int64, device=runner.device)
-            return orig_drafter_propose(*args, **kwargs)
-
         def sample_logits(logits, spec_decode_metadata):
             # A step in which no request carries a draft: the rejection sampler would only draw the bonus
             # token, which is what the plain sampler draws (same generators, same logprobs), at a fraction
@@ -382,7 +371,6 @@ class _Hook:
         runner._sample = sample_logits
         runner.sample_tokens = sample_tokens
         runner.propose_draft_token_ids = propose_draft_token_ids
-        runner.drafter.propose = drafter_propose
 
     def stats(self) -> dict[str, Any]:
         return {**self.policy.stats(), "skipped_drafter_steps": self.skipped_drafter,
