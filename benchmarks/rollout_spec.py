@@ -146,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for k in [0, *a.ks]:
         k_max = a.auto_max if k == "auto" else k
-        spec_cfg = EngineConfig(model_path=str(oracle), num_speculative_tokens=k_max, max_num_seqs=max(a.batches),
-                                adaptive_speculation=k == "auto").speculative_config
+        eng_cfg = EngineConfig(model_path=str(oracle), num_speculative_tokens=k_max, max_num_seqs=max(a.batches),
+                               adaptive_speculation=k == "auto")
+        spec_cfg = eng_cfg.speculative_config
+        sched_kwargs = {"scheduler_cls": eng_cfg.adaptive_scheduler_cls, "async_scheduling": False} if k == "auto" else {}
         for head in a.draft_heads:   # k = 0 too: the two checkpoints' trunks differ (own no-spec reference)
             # a fresh engine per head (the weight sync itself is measured by the trainer: sync/* metrics)
             path = {"random": random_ckpt, "oracle": oracle, "trained": a.trained_ckpt}[head]
-            llm = LLM(**{**base, "model": str(path)},
+            llm = LLM(**{**base, "model": str(path)}, **sched_kwargs,
                       speculative_config=spec_cfg)
             try:
                 if k == "auto":

@@ -6,24 +6,27 @@ forward grows with the batch (the verify forward grows with the tokens it checks
 as the head is trained. A fixed k therefore loses at large batches and with an untrained head. Here k is
 chosen per engine step to maximise expected tokens per second, from
 
-- live per-position acceptance, measured in the worker from what the rejection sampler kept
-  (conditional: position i counts only requests whose drafts 1..i-1 were all accepted), with decay so it
-  follows the head as it improves, and
-- a cost model fitted online on the running engine: target step time as a linear function of the tokens
-  scheduled, draft time as a linear function of the first-pass tokens and the extra draft steps.
+- live per-position acceptance, measured from what the rejection sampler kept (conditional: position i
+  counts only requests whose drafts 1..i-1 were all accepted), with decay so it follows the head as it
+  improves, and
+- a cost model fitted online on the running engine: whole-step time as a linear function of the tokens
+  verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k.
 
-Closed loop: the first engine steps cycle k over 0..k_max to calibrate; afterwards every `probe_every`-th
-step tries a neighbour of the best k (one deeper, then one shallower), so the next position's acceptance
-and the cost of a shallower setting stay measured as the head and the batch change. When the
-chosen k is 0 the drafter is not run at all (`skip_drafter_at_zero`); its KV cache then has holes at the
-positions of those steps, which may lower later acceptance but never changes the emitted tokens (the
-target verifies every draft), and the measured acceptance sees that effect.
+Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of
+each new batch bucket while drafting can still pay; afterwards every `probe_every`-th step tries a
+neighbour of the best k (one deeper, then one shallower), so the next position's acceptance and the cost
+of a shallower setting stay measured as the head and the batch change. At k = 0 the drafter does not run;
+its KV cache then has holes at the positions of those steps, which may lower later acceptance but never
+changes the emitted tokens (the target verifies every draft), and the measured acceptance sees that effect.
 
-vLLM 0.32's own mechanism is used for the schedule: the engine is built with
-`num_speculative_tokens_per_batch_size` (dynamic speculative decoding, so the scheduler takes drafts of
-any length <= k_max without padding), and the worker overrides `SchedulerOutput.num_spec_tokens_to_schedule`
-(the K vLLM's runner passes to the drafter) with the policy's choice. `install()` checks every vLLM name
-it relies on (methods, parameters, fields) and raises `AdaptiveSpeculationError` naming what moved.
+Two halves, on vLLM's own mechanism (dynamic speculative decoding: the engine is built with
+`num_speculative_tokens_per_batch_size`, so the scheduler takes drafts of any length <= k_max without
+padding, and `SchedulerOutput.num_spec_tokens_to_schedule` is the K the runner passes to the drafter):
+- the engine core's scheduler chooses k (adaptive_scheduler.py), so the engine core knows when a step
+  drafted nothing and does not fetch drafts from the worker;
+- the worker (`install`, below) follows that k, skips the drafter and the rejection sampler when nothing
+  is drafted, and reports what it ran.
+Both check every vLLM name they rely on and raise `AdaptiveSpeculationError` naming what moved.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,43 +135,47 @@ class OnlineLinearFit:
         return sum(w * v for w, v in zip(self.weights(), x))
 
 
-def target_features(num_tokens: int) -> list[float]:
-    return [1.0, float(num_tokens)]
+def bucket(batch: int) -> int:
+    """Batch-size bucket of the cost tables: 1, 2-3, 4-7, 8-15, ... (powers of two)."""
+    return max(int(batch), 1).bit_length()
 
 
-def draft_features(batch: int, k: int) -> list[float]:
-    """First pass (a fixed cost plus a per-request cost), then k-1 single-token steps over the batch.
-
-    The first pass really runs over the step's b*(1+k_prev) tokens, but k_prev and k move together in
-    the calibration cycle, so a token-count feature would be collinear with k and extrapolate badly."""
-    extra = max(k - 1, 0)
-    return [1.0, float(batch), float(extra), float(extra * batch)]
+def step_features(num_tokens: int, batch: int, k: int) -> list[float]:
+    """One engine step, timed whole in the engine core: verify `num_tokens` (fixed cost + per token), then,
+    when k > 0, the drafter's first pass (fixed + per request) and k - 1 single-token steps (fixed + per
+    request). At k = 0 the drafter does not run and no drafts are fetched from the worker."""
+    drafts, extra = float(k > 0), float(max(k - 1, 0))
+    return [1.0, float(num_tokens), drafts, drafts * batch, extra, extra * batch]
 
 
 @dataclass
 class CostModel:
-    """Step-time model fitted on the running engine's own timings."""
+    """Step time fitted on the running engine's own timings: one fit per batch bucket (used once the bucket
+    has been timed at every k, so no prediction extrapolates the batch more than 2x) and one over all
+    steps (used before that)."""
 
-    target: OnlineLinearFit = field(default_factory=lambda: OnlineLinearFit(2))
-    draft: OnlineLinearFit = field(default_factory=lambda: OnlineLinearFit(4))
+    k_max: int
+    global_fit: OnlineLinearFit = field(default_factory=lambda: OnlineLinearFit(6))
+    buckets: dict[int, OnlineLinearFit] = field(default_factory=dict)
+    seen_k: dict[int, set[int]] = field(default_factory=dict)
 
-    def observe_target(self, num_tokens: int, seconds: float) -> None:
-        self.target.add(target_features(num_tokens), seconds)
+    def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
+        x = step_features(num_tokens, batch, k)
+        self.global_fit.add(x, seconds)
+        b = bucket(batch)
+        self.buckets.setdefault(b, OnlineLinearFit(6)).add(x, seconds)
+        self.seen_k.setdefault(b, set()).add(k)
 
-    def observe_draft(self, k: int, batch: int, seconds: float) -> None:
-        self.draft.add(draft_features(batch, k), seconds)
+    def covers(self, batch: int) -> bool:
+        return len(self.seen_k.get(bucket(batch), ())) == self.k_max + 1
 
-    def step_seconds(self, batch: int, k: int, drafter_runs: bool) -> float:
-        """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft."""
-        n = batch * (1 + k)
-        t = max(self.target.predict(target_features(n)), 1e-6)
-        if drafter_runs:
-            t += max(self.draft.predict(draft_features(batch, max(k, 1))), 0.0)
-        return t
+    def step_seconds(self, batch: int, k: int) -> float:
+        """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
+        fit = self.buckets[bucket(batch)] if self.covers(batch) else self.global_fit
+        return max(fit.predict(step_features(batch * (1 + k), batch, k)), 1e-6)
 
 
-def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int, skip_drafter_at_zero: bool
-           ) -> tuple[int, list[float]]:
+def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int) -> tuple[int, list[float]]:
     """argmax_k expected tokens per second per request (ties -> smaller k); also the rates per k.
 
     A step with more drafts does strictly more work, so the predicted cost is made non-decreasing in k: a
@@ -177,8 +183,7 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int, skip_dr
     where the drafts buy nothing."""
     rates, floor = [], 0.0
     for k in range(k_max + 1):
-        runs = k > 0 or not skip_drafter_at_zero
-        floor = max(floor, cost.step_seconds(batch, k, runs))
+        floor = max(floor, cost.step_seconds(batch, k))
         rates.append(expected_tokens(alphas, k) / floor)
     best = max(range(k_max + 1), key=lambda k: (rates[k], -k))
     return best, rates
@@ -186,25 +191,33 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int, skip_dr
 
 @dataclass
 class SpeculationPolicy:
-    """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel)."""
+    """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel).
+
+    Calibration: the first steps cycle k over k_max..0 (`warmup_cycles` times); later, the first time a
+    batch bucket is met, one more cycle times it there, unless the live acceptance says no k can gain
+    `min_gain` tokens per step (an untrained head: nothing to calibrate for, the probes keep watching)."""
 
     k_max: int
     warmup_cycles: int = 3
     probe_every: int = 32
-    skip_drafter_at_zero: bool = True
+    min_gain: float = 0.1
     acceptance: AcceptanceEstimate = None  # type: ignore[assignment]
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel = None  # type: ignore[assignment]
     steps: int = 0
     _probe: int = 0
     chosen_sum: float = 0.0
     chosen_count: int = 0
     histogram: list[int] = field(default_factory=list)
+    _queue: list[int] = field(default_factory=list)
+    _cycled: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
             raise ValueError(f"k_max={self.k_max}: adaptive speculation needs a maximum of at least 1")
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(self.k_max)
+        if self.cost is None:
+            self.cost = CostModel(self.k_max)
         self.histogram = [0] * (self.k_max + 1)
 
     @property
@@ -213,13 +226,23 @@ class SpeculationPolicy:
         (kernel selection, buffer allocation) that would bias the cost fit for a long time."""
         return self.steps > self.k_max + 1
 
+    def _cycle(self) -> list[int]:
+        return list(range(self.k_max, -1, -1))     # k_max, k_max-1, ..., 0
+
     def choose(self, batch: int) -> int:
         self.steps += 1
-        cycle = self.k_max + 1
-        if self.steps <= self.warmup_cycles * cycle:
-            k = (self.k_max - (self.steps - 1)) % cycle     # k_max, k_max-1, ..., 0, k_max, ...
+        b = bucket(batch)
+        if self.steps == 1:
+            self._cycled.add(b)
+            self._queue = self._cycle() * self.warmup_cycles
+        if not self._queue and b not in self._cycled and (
+                expected_tokens(self.acceptance.rates(), self.k_max) >= 1.0 + self.min_gain):
+            self._cycled.add(b)
+            self._queue = self._cycle()
+        if self._queue:
+            k = self._queue.pop(0)
         else:
-            k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max, self.skip_drafter_at_zero)
+            k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max)
             if self.probe_every and self.steps % self.probe_every == 0:   # measure another k (never the best)
                 self._probe += 1
                 k = self._next_probe(k)
@@ -240,7 +263,8 @@ class SpeculationPolicy:
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
                 "acceptance_per_pos": self.acceptance.rates(),
-                "attempts_per_pos": list(self.acceptance.attempts)}
+                "attempts_per_pos": list(self.acceptance.attempts),
+                "calibrated_buckets": sorted(self._cycled)}
 
 
 def accepted_counts(sampled_token_ids: Any, num_drafts: list[int], placeholder: int = -1) -> list[int]:
@@ -269,6 +293,9 @@ def _params(fn: Any) -> tuple[str, ...]:
         return ()
 
 
+SCHEDULER_CLS = "skyrl_mtp.rollout.adaptive_scheduler.AdaptiveSpeculationScheduler"
+
+
 def check_runner(runner: Any) -> None:
     """Every name the hook relies on, checked before anything is patched."""
     from dataclasses import fields
@@ -277,8 +304,8 @@ def check_runner(runner: Any) -> None:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     name = type(runner).__name__
-    for attr in ("execute_model", "sample_tokens", "propose_draft_token_ids", "drafter", "speculative_config",
-                 "_sample", "sampler", "device"):
+    for attr in ("propose_draft_token_ids", "take_draft_token_ids", "drafter", "speculative_config", "_sample",
+                 "sampler", "device"):
         _require(hasattr(runner, attr), f"model runner {name} has no `{attr}`")
     got = _params(runner._sample)
     _require(got == SAMPLE_PARAMS, f"{name}._sample parameters are {got}, expected {SAMPLE_PARAMS}")
@@ -294,69 +321,58 @@ def check_runner(runner: Any) -> None:
              "SpecDecodeMetadata has no field num_draft_tokens")
     par = getattr(runner, "parallel_config", None)
     world = 1 if par is None else par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
-    if world != 1:   # each rank would time its own steps and could choose a different k: collectives would hang
+    if world != 1:
         raise AdaptiveSpeculationError(f"adaptive speculation supports one worker per engine (tp=pp=dp=1), got "
                                        f"{world} ranks; set trainer.mtp.num_speculative_tokens to an int")
     spec = runner.speculative_config
     _require(spec is not None and getattr(spec, "num_speculative_tokens_per_batch_size", None),
              "the engine was built without num_speculative_tokens_per_batch_size (dynamic speculative "
              "decoding), so the scheduler would pad drafts to k_max")
+    sched = getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)
+    got = getattr(sched, "scheduler_cls", None)
+    if got != SCHEDULER_CLS:   # the worker only follows; without the engine-core half k would stay k_max
+        raise AdaptiveSpeculationError(f"the engine's scheduler_cls is {got!r}; adaptive speculation needs "
+                                       f"{SCHEDULER_CLS!r} (EngineConfig(adaptive_speculation=True) sets it)")
 
 
 class _Hook:
-    """Wraps one runner instance's methods (instance attributes; the class is untouched)."""
+    """The worker half: follows the k the engine core's scheduler chose (SchedulerOutput
+    .num_spec_tokens_to_schedule) and makes a k = 0 step cost what a no-spec step costs. Wraps one runner
+    instance's methods (instance attributes; the class is untouched) and records what it saw."""
 
-    def __init__(self, runner: Any, policy: SpeculationPolicy):
-        self.runner, self.policy = runner, policy
-        self.step_t0 = None
-        self.step_tokens = 0
-        self.draft_seconds = 0.0
+    def __init__(self, runner: Any, k_max: int):
+        self.runner, self.k_max = runner, k_max
+        self.acceptance = AcceptanceEstimate(k_max)
+        self.histogram = [0] * (k_max + 1)
         self.skipped_drafter = 0
         self.plain_sampled_steps = 0
-        orig_exec, orig_sample = runner.execute_model, runner.sample_tokens
+        self.draft_fetches = 0
         orig_propose = runner.propose_draft_token_ids
+        orig_take = runner.take_draft_token_ids
         orig_sample_logits = runner._sample
         propose_sig = inspect.signature(orig_propose)
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            self.step_t0 = time.perf_counter()
-            self.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
-            self.draft_seconds = 0.0
-            return orig_exec(scheduler_output, *args, **kwargs)
-
-        def sample_tokens(*args, **kwargs):
-            out = orig_sample(*args, **kwargs)
-            if self.step_t0 is not None and self.step_tokens:
-                total = time.perf_counter() - self.step_t0
-                if self.policy.timing_valid:
-                    self.policy.cost.observe_target(self.step_tokens, max(total - self.draft_seconds, 0.0))
-            self.step_t0 = None
-            return out
 
         def propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs):
             bound = propose_sig.bind_partial(scheduler_output, sampled_token_ids, *args, **kwargs)
             meta = bound.arguments.get("spec_decode_metadata")
             if meta is not None and any(meta.num_draft_tokens):
                 drafts = [int(d) for d in meta.num_draft_tokens]
-                self.policy.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))
-            batch = len(scheduler_output.num_scheduled_tokens)
-            k = self.policy.choose(batch)
-            scheduler_output.num_spec_tokens_to_schedule = k
-            if k == 0 and self.policy.skip_drafter_at_zero:
+                self.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))
+            k = int(scheduler_output.num_spec_tokens_to_schedule)
+            if not 0 <= k <= self.k_max:
+                raise AdaptiveSpeculationError(f"the scheduler sent num_spec_tokens_to_schedule={k}, outside "
+                                               f"0..{self.k_max}")
+            self.histogram[k] += 1
+            if k == 0:
                 # vLLM's runner would still build the drafter's inputs (next tokens, attention metadata)
-                # before the drafter is skipped; no drafts are needed, so none of that is done
+                # before the drafter is skipped; no drafts are needed, so none of that is done (and the
+                # engine core does not fetch drafts after this step: adaptive_scheduler.py)
                 import torch
 
                 self.skipped_drafter += 1
-                self.draft_seconds = 0.0
-                return torch.empty(batch, 0, dtype=torch.int64, device=runner.device)
-            t0 = time.perf_counter()
-            out = orig_propose(scheduler_output, sampled_token_ids, *args, **kwargs)
-            seconds = time.perf_counter() - t0
-            self.draft_seconds = seconds
-            if (k > 0 or not self.policy.skip_drafter_at_zero) and self.policy.timing_valid:
-                self.policy.cost.observe_draft(max(k, 1), batch, seconds)
-            return out
+                return torch.empty(len(scheduler_output.num_scheduled_tokens), 0, dtype=torch.int64,
+                                   device=runner.device)
+            return orig_propose(scheduler_output, sampled_token_ids, *args, **kwargs)
 
         def sample_logits(logits, spec_decode_metadata):
             # A step in which no request carries a draft: the rejection sampler would only draw the bonus
@@ -367,25 +383,32 @@ class _Hook:
                 return orig_sample_logits(logits, None)
             return orig_sample_logits(logits, spec_decode_metadata)
 
-        runner.execute_model = execute_model
+        def take_draft_token_ids():
+            self.draft_fetches += 1    # the engine core's fetch (a round trip with the mp executor)
+            return orig_take()
+
         runner._sample = sample_logits
-        runner.sample_tokens = sample_tokens
         runner.propose_draft_token_ids = propose_draft_token_ids
+        runner.take_draft_token_ids = take_draft_token_ids
 
     def stats(self) -> dict[str, Any]:
-        return {**self.policy.stats(), "skipped_drafter_steps": self.skipped_drafter,
-                "plain_sampled_steps": self.plain_sampled_steps}
+        steps = sum(self.histogram)
+        return {"steps": steps, "k_sum": float(sum(k * n for k, n in enumerate(self.histogram))),
+                "k_histogram": list(self.histogram), "acceptance_per_pos": self.acceptance.rates(),
+                "attempts_per_pos": list(self.acceptance.attempts),
+                "skipped_drafter_steps": self.skipped_drafter, "plain_sampled_steps": self.plain_sampled_steps,
+                "draft_fetches": self.draft_fetches}
 
 
-def install(runner: Any, k_max: int | None = None, **policy_kwargs: Any) -> _Hook:
-    """Check the runner, then wrap it; k_max defaults to the engine's num_speculative_tokens."""
+def install(runner: Any) -> _Hook:
+    """Check the runner, then wrap it; k_max is the engine's num_speculative_tokens."""
     if getattr(runner, "_skyrl_adaptive_hook", None) is not None:
         return runner._skyrl_adaptive_hook
     check_runner(runner)
-    k = int(k_max if k_max is not None else runner.speculative_config.num_speculative_tokens)
-    hook = _Hook(runner, SpeculationPolicy(k_max=k, **policy_kwargs))
+    k = int(runner.speculative_config.num_speculative_tokens)
+    hook = _Hook(runner, k)
     runner._skyrl_adaptive_hook = hook
-    logger.info("skyrl_mtp adaptive speculation installed on %s (k_max=%d)", type(runner).__name__, k)
+    logger.info("skyrl_mtp adaptive speculation (worker half) installed on %s (k_max=%d)", type(runner).__name__, k)
     return hook
 
 

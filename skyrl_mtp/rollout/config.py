@@ -31,6 +31,8 @@ MANAGED_ENGINE_KWARGS = (
     "disable_log_stats",
     "weight_transfer_config",
     "per_request_spec_decode_metrics",
+    "scheduler_cls",
+    "async_scheduling",
 )
 
 
@@ -126,7 +128,7 @@ class EngineConfig:
         spec = {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
         if self.draft_sample_method != "greedy":
             spec["draft_sample_method"] = self.draft_sample_method
-        if self.adaptive_speculation:   # vLLM's dynamic-K scheduling; the worker hook picks K per step
+        if self.adaptive_speculation:   # vLLM's dynamic-K scheduling; adaptive_scheduler.py picks K per step
             from skyrl_mtp.rollout.adaptive_speculation import dynamic_schedule
 
             spec["num_speculative_tokens_per_batch_size"] = dynamic_schedule(self.num_speculative_tokens,
@@ -152,7 +154,19 @@ class EngineConfig:
             "weight_transfer_config": {"backend": self.weight_transfer_backend},
             # per-request drafted/accepted counts (multi-turn rollouts report acceptance per turn)
             "per_request_spec_decode_metrics": "summary" if self.num_speculative_tokens else "none",
+            # adaptive speculation: the engine core's scheduler chooses k per step (rollout/adaptive_scheduler.py),
+            # which needs vLLM's synchronous scheduling; otherwise vLLM's defaults (None)
+            "scheduler_cls": self.adaptive_scheduler_cls,
+            "async_scheduling": False if self.adaptive_speculation else None,
         }
+
+    @property
+    def adaptive_scheduler_cls(self) -> str | None:
+        if not self.adaptive_speculation:
+            return None
+        from skyrl_mtp.rollout.adaptive_speculation import SCHEDULER_CLS
+
+        return SCHEDULER_CLS
 
     @property
     def workers_per_engine(self) -> int:

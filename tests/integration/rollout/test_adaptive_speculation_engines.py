@@ -4,8 +4,8 @@ Both engines are set to the ORACLE weights by a sync first (the session pool's "
 been left on other weights by test_engines.py), then the same prompts run greedy and at T = 1 with
 per-request seeds: the adaptive engine must emit exactly the no-spec engine's tokens (greedy: the
 target verifies every draft; T = 1: the draft-invariant coupling keys the noise to the output position
-whatever k was drafted), while its worker really varied k (histogram over 0..3, drafter skipped at 0)
-and the mean k per step reaches the metrics.
+whatever k was drafted), while its scheduler really varied k (histogram over 0..3, drafter skipped at 0,
+no draft fetch after a k = 0 step) and the mean k per step reaches the metrics.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     assert sum(1 for h in hist if h) >= 3, hist        # calibration cycled k over 0..3 and the policy chose
     assert stats["skipped_drafter_steps"] == hist[0]    # k = 0: the drafter did not run
     assert stats["plain_sampled_steps"] > 0             # steps without drafts took vLLM's plain sampler
+    # the engine core fetched drafts from the worker only after steps that drafted (k = 0: no round trip)
+    assert stats["draft_fetches"] == stats["steps"] - hist[0], stats
     # the oracle head: greedy drafts are always accepted, so the live estimate at position 1 is high
     assert stats["acceptance_per_pos"][0] > 0.5, stats
     assert engine_pool.get("auto").engine_infos[0]["adaptive_speculation"] == {"k_max": 3, "runner": "CPUModelRunner"}

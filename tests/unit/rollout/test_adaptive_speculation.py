@@ -55,13 +55,14 @@ def test_online_linear_fit_recovers_a_line_and_forgets():
     assert fit.weights()[0] == pytest.approx(0.010, rel=3e-2)
 
 
-def _cost(t0, t1, d0, d1, e0, e1) -> CostModel:
-    cost = CostModel()
-    for b in (1, 2, 4, 8, 16, 32, 64):
-        for k in range(4):
-            n = b * (1 + k)
-            cost.observe_target(n, t0 + t1 * n)
-            cost.observe_draft(max(k, 1), b, d0 + d1 * n + max(k - 1, 0) * (e0 + e1 * b))
+def _cost(t0, t1, d0, d1, e0, e1, batches=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
+    """Whole-step timings: verify n tokens, then (k > 0) a first draft pass and k - 1 more draft steps."""
+    cost = CostModel(k_max=3)
+    for b in batches:
+        for k_prev in range(4):
+            for k in range(4):
+                n = b * (1 + k_prev)
+                cost.observe(n, b, k, t0 + t1 * n + (k > 0) * (d0 + d1 * b) + max(k - 1, 0) * (e0 + e1 * b))
     return cost
 
 
@@ -69,25 +70,40 @@ def test_best_k_deepens_at_small_batch_and_stops_at_large_batch():
     # per-step overhead dominates at batch 1; the verify cost grows with tokens at batch 64
     cost = _cost(t0=0.010, t1=0.0008, d0=0.002, d1=0.0002, e0=0.002, e1=0.0002)
     good = [0.9, 0.85, 0.8]
-    k1, _ = best_k(good, cost, 1, 3, skip_drafter_at_zero=True)
-    k64, rates = best_k(good, cost, 64, 3, skip_drafter_at_zero=True)
+    k1, _ = best_k(good, cost, 1, 3)
+    k64, rates = best_k(good, cost, 64, 3)
     assert k1 == 3
     assert k64 == 0, rates
-    k_bad, _ = best_k([0.01, 0.01, 0.01], cost, 1, 3, skip_drafter_at_zero=True)
+    k_bad, _ = best_k([0.01, 0.01, 0.01], cost, 1, 3)
     assert k_bad == 0
 
 
-def test_a_fit_that_calls_deeper_steps_cheaper_does_not_buy_useless_drafts():
-    # noisy timings on a loaded machine: both fits' slopes came out negative
-    cost = CostModel()
-    for b in (8, 16, 32):
+def test_cost_model_uses_a_bucket_fit_once_it_has_seen_every_k():
+    # the global fit only saw batch 1: its batch terms are unidentified, so it mispredicts batch 16
+    cost = _cost(t0=0.010, t1=0.0001, d0=0.004, d1=0.0, e0=0.004, e1=0.0, batches=(1,))
+    assert not cost.covers(16)
+    extrapolated = cost.step_seconds(16, 3)
+    for k_prev in range(4):
         for k in range(4):
-            cost.observe_target(b * (1 + k), 0.012 - 0.00001 * b * (1 + k))
-            cost.observe_draft(max(k, 1), b, 0.004 - 0.003 * max(k - 1, 0))
-    assert cost.step_seconds(16, 3, True) < cost.step_seconds(16, 0, False)   # the fit really is non-monotone
-    k, rates = best_k([0.0, 0.5, 0.5], cost, 16, 3, skip_drafter_at_zero=True)
+            n = 16 * (1 + k_prev)
+            cost.observe(n, 16, k, 0.010 + 0.0001 * n + (k > 0) * 0.02 + max(k - 1, 0) * 0.02)
+    assert cost.covers(16) and cost.covers(20) and not cost.covers(32)   # bucket 16..31
+    assert cost.step_seconds(16, 3) == pytest.approx(0.010 + 0.0001 * 64 + 0.06, rel=1e-3)
+    assert abs(extrapolated - cost.step_seconds(16, 3)) > 0.2 * cost.step_seconds(16, 3)
+    assert cost.step_seconds(1, 3) == pytest.approx(0.010 + 0.0001 * 4 + 0.012, rel=1e-3)   # bucket 1 untouched
+
+
+def test_a_fit_that_calls_deeper_steps_cheaper_does_not_buy_useless_drafts():
+    # noisy timings on a loaded machine: the fit's slopes in tokens and in draft steps came out negative
+    cost = CostModel(k_max=3)
+    for b in (8, 16, 32):
+        for k_prev in range(4):
+            for k in range(4):
+                cost.observe(b * (1 + k_prev), b, k, 0.016 - 0.00001 * b * (1 + k_prev) - 0.003 * max(k - 1, 0))
+    assert cost.step_seconds(16, 3) < cost.step_seconds(16, 0)   # the fit really is non-monotone
+    k, rates = best_k([0.0, 0.5, 0.5], cost, 16, 3)
     assert k == 0, rates        # no accepted draft at position 1: every deeper k emits one token per step
-    k_good, _ = best_k([0.95, 0.95, 0.95], cost, 16, 3, skip_drafter_at_zero=True)
+    k_good, _ = best_k([0.95, 0.95, 0.95], cost, 16, 3)
     assert k_good == 3          # with a good head the same fit still deepens
 
 
@@ -104,6 +120,20 @@ def test_policy_calibrates_then_exploits_and_probes():
     st = pol.stats()
     assert st["steps"] == 30 and st["k_sum"] == sum(first) + sum(later)
     assert sum(st["k_histogram"]) == 30
+    # a new batch bucket with a useless head: nothing to calibrate for, so no drafting cycle there
+    assert [pol.choose(64) for _ in range(3)] == [0, 0, 0]
+    assert pol.stats()["calibrated_buckets"] == [3]
+
+
+def test_policy_calibrates_each_new_batch_bucket_while_drafting_can_pay():
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
+    assert [pol.choose(1) for _ in range(3)] == [2, 1, 0]
+    pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002)
+    pol.acceptance.observe([2] * 50, [2] * 50)   # a good head
+    assert pol.choose(1) == 2
+    assert [pol.choose(16) for _ in range(3)] == [2, 1, 0]   # batch 16 is new: one cycle timed there
+    assert [pol.choose(17) for _ in range(2)] == [2, 2]      # same bucket: the fit decides
+    assert pol.stats()["calibrated_buckets"] == [1, 5]
 
 
 def test_accepted_counts_from_padded_tensor_and_lists():
@@ -129,7 +159,7 @@ def test_install_fails_loudly_when_vllm_moved():
             return None
 
     pytest.importorskip("vllm")
-    with pytest.raises(AdaptiveSpeculationError, match="propose_draft_token_ids|sample_tokens"):
+    with pytest.raises(AdaptiveSpeculationError, match="propose_draft_token_ids"):
         install(Runner())
 
 
@@ -142,9 +172,14 @@ def test_auto_reaches_the_engine_config_with_its_maximum():
     ec = engine_config(cfg, "/tmp/model")
     assert ec.adaptive_speculation is True and ec.num_speculative_tokens == 4
     assert ec.speculative_config["num_speculative_tokens_per_batch_size"] == [(1, ec.max_num_seqs, 4)]
+    managed = ec.managed_engine_kwargs("m.C")
+    assert managed["scheduler_cls"] == "skyrl_mtp.rollout.adaptive_scheduler.AdaptiveSpeculationScheduler"
+    assert managed["async_scheduling"] is False
     assert train_depths(cfg) == 4    # depth-aware training up to the maximum k
     fixed = engine_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=2"]), "/tmp/model")
     assert fixed.adaptive_speculation is False and "num_speculative_tokens_per_batch_size" not in fixed.speculative_config
+    assert fixed.managed_engine_kwargs("m.C")["scheduler_cls"] is None     # vLLM's own scheduler
+    assert fixed.managed_engine_kwargs("m.C")["async_scheduling"] is None  # vLLM decides
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -170,3 +205,35 @@ def test_probabilistic_drafting_reaches_vllm_and_warns_about_the_coupling():
     assert ec.speculative_config["draft_sample_method"] == "probabilistic"
     greedy = engine_config(load_config(["recipe=tiny_dapo"]), "/tmp/model")
     assert "draft_sample_method" not in greedy.speculative_config
+
+
+def test_engine_core_skips_the_draft_fetch_after_a_step_that_drafted_nothing():
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.core import EngineCore
+
+    from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler, _Step, install_post_step_guard
+
+    install_post_step_guard()
+    wrapped = EngineCore.post_step
+    install_post_step_guard()
+    assert EngineCore.post_step is wrapped          # once per process
+
+    fetched = []
+    sched = object.__new__(AdaptiveSpeculationScheduler)   # only the parts post_step touches
+    sched.policy, sched._step, sched.fetches_skipped = SpeculationPolicy(k_max=2), None, 0
+    sched.update_draft_token_ids = lambda d: fetched.append(d)
+    core = SimpleNamespace(scheduler=sched, check_for_draft_tokens=True, async_scheduling=False,
+                           model_executor=SimpleNamespace(take_draft_token_ids=lambda: "drafts"))
+    sched._step = _Step(t0=0.0, num_tokens=4, batch=4, k=0, decode_only=True)
+    EngineCore.post_step(core, True)
+    assert fetched == [] and sched.fetches_skipped == 1 and sched._step is None
+    sched._step = _Step(t0=0.0, num_tokens=4, batch=4, k=2, decode_only=True)
+    EngineCore.post_step(core, True)
+    assert fetched == ["drafts"] and sched.fetches_skipped == 1
+    other = SimpleNamespace(scheduler=SimpleNamespace(update_draft_token_ids=lambda d: fetched.append(d)),
+                            check_for_draft_tokens=True, async_scheduling=False,
+                            model_executor=SimpleNamespace(take_draft_token_ids=lambda: "vllm"))
+    EngineCore.post_step(other, True)              # vLLM's own scheduler: untouched behaviour
+    assert fetched == ["drafts", "vllm"]

@@ -1,0 +1,132 @@
+"""The engine-core half of adaptive speculation: vLLM's scheduler chooses the k of each step.
+
+Why this exists: vLLM's dynamic speculative decoding already picks K in the scheduler
+(`SchedulerOutput.num_spec_tokens_to_schedule`), from a fixed batch-size table. Choosing it here from
+measurements (adaptive_speculation.SpeculationPolicy) rather than in the worker lets the engine core know
+when a step drafted nothing. vLLM's engine core otherwise fetches drafts from the worker after every step
+once speculation is configured (`EngineCore.post_step` -> `take_draft_token_ids`), a round trip through
+the multi-process executor that a no-spec engine never makes; at k = 0 it is skipped here, so a step that
+drafts nothing costs what a no-spec step costs. The scheduler also times whole steps (schedule to
+post_step, round trips included) for the cost model, and reads acceptance from what was verified.
+
+Installed with the engine argument `scheduler_cls` (EngineConfig sets it when adaptive_speculation is
+on); the worker half (adaptive_speculation.install) follows the k it is sent.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+
+from skyrl_mtp.rollout.adaptive_speculation import AdaptiveSpeculationError, SpeculationPolicy, _require
+
+
+@dataclass
+class _Step:
+    t0: float
+    num_tokens: int
+    batch: int
+    k: int
+    decode_only: bool
+
+
+class AdaptiveSpeculationScheduler(Scheduler):
+    """vLLM's synchronous scheduler with k per step chosen by a SpeculationPolicy."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        _require(spec is not None and bool(getattr(spec, "num_speculative_tokens_per_batch_size", None)),
+                 "adaptive speculation's scheduler needs an engine with speculative_config."
+                 "num_speculative_tokens_per_batch_size (dynamic speculative decoding)")
+        if vllm_config.scheduler_config.async_scheduling:
+            raise AdaptiveSpeculationError(
+                "adaptive speculation needs async_scheduling=False (with async scheduling the engine core "
+                "never sees the drafts, and its scheduler would not run this class's choice)")
+        par = vllm_config.parallel_config
+        if par.pipeline_parallel_size != 1:
+            raise AdaptiveSpeculationError(f"adaptive speculation needs pipeline_parallel_size=1, got "
+                                           f"{par.pipeline_parallel_size}")
+        _require(isinstance(getattr(self, "num_spec_tokens", None), int) and self.num_spec_tokens >= 1,
+                 "vLLM's Scheduler has no int `num_spec_tokens` (the engine's k)")
+        self.policy = SpeculationPolicy(k_max=self.num_spec_tokens)
+        self._step: _Step | None = None
+        self.fetches_skipped = 0
+        install_post_step_guard()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = super().schedule(*args, **kwargs)
+        batch = len(out.num_scheduled_tokens)
+        if not batch:
+            self._step = None
+            return out
+        k = self.policy.choose(batch)
+        out.num_spec_tokens_to_schedule = k
+        spec = out.scheduled_spec_decode_tokens
+        decode_only = not out.scheduled_new_reqs and all(
+            n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
+        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, decode_only)
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if spec:
+            index, sampled = model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids
+            drafts, accepted = [], []
+            for rid, tokens in spec.items():
+                i = index.get(rid)
+                if i is None or i >= len(sampled):
+                    continue
+                drafts.append(len(tokens))
+                accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
+            self.policy.acceptance.observe(drafts, accepted)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def drafted_nothing(self) -> bool:
+        return self._step is not None and self._step.k == 0
+
+    def end_step(self) -> None:
+        step, self._step = self._step, None
+        if step is not None and step.decode_only and self.policy.timing_valid:
+            self.policy.cost.observe(step.num_tokens, step.batch, step.k, time.perf_counter() - step.t0)
+
+
+def install_post_step_guard() -> None:
+    """Wrap EngineCore.post_step (once per process) so that, with this scheduler, a step that drafted
+    nothing does not fetch drafts from the worker, and every step's end is timed. Other schedulers pass
+    straight through."""
+    orig = EngineCore.post_step
+    if getattr(orig, "_skyrl_adaptive", False):
+        return
+    got = tuple(inspect.signature(orig).parameters)
+    _require(got == ("self", "model_executed"), f"EngineCore.post_step parameters are {got}, expected "
+                                                "('self', 'model_executed')")
+    try:
+        src = inspect.getsource(orig)
+    except (OSError, TypeError) as e:
+        raise AdaptiveSpeculationError(f"cannot read EngineCore.post_step's source to check it: {e}") from e
+    _require("take_draft_token_ids" in src and "update_draft_token_ids" in src,
+             "EngineCore.post_step no longer fetches drafts with take_draft_token_ids / update_draft_token_ids")
+
+    def post_step(self: Any, model_executed: bool) -> None:
+        sched = self.scheduler
+        if not isinstance(sched, AdaptiveSpeculationScheduler):
+            return orig(self, model_executed)
+        try:
+            if model_executed and sched.drafted_nothing():
+                # the worker proposed no drafts: the fetch would return empty lists, and the scheduler
+                # already cleared the scheduled requests' drafts when it scheduled them
+                sched.fetches_skipped += 1
+                return None
+            return orig(self, model_executed)
+        finally:
+            sched.end_step()
+
+    post_step._skyrl_adaptive = True  # type: ignore[attr-defined]
+    EngineCore.post_step = post_step
