@@ -31,7 +31,8 @@ def max_speculative_tokens(cfg: DictConfig) -> int:
 
 
 def train_depths(cfg: DictConfig) -> int:
-    """Draft depths the head is trained on: trainer.mtp.train_depths, or (null) the largest k drafted."""
+    """Draft depths the head is trained on: trainer.mtp.train_depths, or (null) the largest k drafted (under
+    auto the most depths: each step trains those the engines drafted, head_depths_follow_engines)."""
     mtp = cfg.trainer.mtp
     if mtp.train_depths is not None:
         return int(mtp.train_depths)
@@ -173,6 +174,9 @@ class LoopConfig:
     resume: str
     progress_bar: bool
     run_dir: str
+    # trainer.mtp.train_depths=null under num_speculative_tokens=auto: each step's head training covers the
+    # depths the engines drafted (mtp/draft_depths.py), at most `head_max_depths`; otherwise None
+    head_max_depths: int | None = None
 
 
 def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -200,7 +204,17 @@ def loop_config(cfg: DictConfig) -> LoopConfig:
         overlong_punishment=(bool(op.enabled), int(op.buffer_len), float(op.penalty_factor)),
         dp=int(cfg.megatron.dp), checkpoint_every_n_steps=int(t.checkpoint.every_n_steps),
         keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
-        run_dir=str(t.run_dir))
+        run_dir=str(t.run_dir), head_max_depths=head_depths_follow_engines(cfg))
+
+
+def head_depths_follow_engines(cfg: DictConfig) -> int | None:
+    """The most depths the head trains on when they follow the engines' chosen k (auto k, train_depths
+    null, the head trained and drafting in rollouts); None when the depths are fixed (train_depths)."""
+    mtp = cfg.trainer.mtp
+    if not (adaptive_speculation(cfg) and mtp.train_depths is None and rollout_speculative_tokens(cfg) > 0
+            and float(mtp.loss_weight) > 0):
+        return None
+    return train_depths(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- model / data

@@ -50,7 +50,9 @@ class MTPConfig:
     draft_in_rollouts: bool = True
     # Draft depths the head is trained on (depth d predicts token t+d from the head's own depth d-1
     # output; depths beyond the checkpoint's MTP layers reuse the last layer, as vLLM drafts with it).
-    # null = num_speculative_tokens, i.e. trained for every depth it drafts.
+    # null = num_speculative_tokens, i.e. trained for every depth it drafts; under
+    # num_speculative_tokens=auto, each step trains the depths the engines drafted in >= 10% of the
+    # rollout's engine steps plus one more (at most max_speculative_tokens; mtp/draft_depths.py).
     train_depths: int | None = None
 
 

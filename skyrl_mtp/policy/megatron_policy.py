@@ -190,12 +190,14 @@ class MegatronPolicy:
         return loss, metrics
 
     def train_step(self, batch: dict, policy_loss: str = "dapo", policy_loss_kwargs: dict | None = None,
-                   train_head: bool = True) -> dict[str, float]:
+                   train_head: bool = True, head_depths: int | None = None) -> dict[str, float]:
         """One optimizer step of the policy (``policy_loss``: "dapo" or "sft") and, if the model has MTP
         layers and ``train_head``, one step of the MTP head on the decoupled draft loss of the same forward.
 
         ``train_head=False`` leaves the head, its optimizer and its LR schedule untouched (e.g. a warm
         start of the policy that keeps the head untrained); the policy update is the same either way.
+        ``head_depths`` trains this step's head on depths 1..head_depths only (at most the configured
+        ``mtp_num_depths``, the default): the trainer's choice under adaptive speculation.
         """
         if policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss={policy_loss!r} is not supported; allowed: {POLICY_LOSSES}")
@@ -204,6 +206,10 @@ class MegatronPolicy:
             raise ValueError(f"policy_loss='sft' takes no policy_loss_kwargs; got {sorted(kw)}")
         if not isinstance(train_head, bool):
             raise ValueError(f"train_head={train_head!r} is invalid: expected True or False")
+        depths = self.cfg.mtp_num_depths if head_depths is None else head_depths
+        if isinstance(depths, bool) or not isinstance(depths, int) or not 1 <= depths <= self.cfg.mtp_num_depths:
+            raise ValueError(f"head_depths={head_depths!r} is invalid: expected None or an int in "
+                             f"1..{self.cfg.mtp_num_depths} (trainer.mtp.train_depths)")
         validate_batch(batch, REQUIRED_TRAIN_KEYS[policy_loss])
         self._check_packing(batch)
         batch = self._on_device(prepare(batch))
@@ -215,7 +221,7 @@ class MegatronPolicy:
         if head_on:
             from ..mtp.draft_head import DraftLossSpec, draft_positions
 
-            spec = DraftLossSpec(self.cfg.mtp_loss_type, self.cfg.mtp_num_depths, self.cfg.mtp_loss_topk,
+            spec = DraftLossSpec(self.cfg.mtp_loss_type, depths, self.cfg.mtp_loss_topk,
                                  self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction)
             for d in range(1, spec.num_depths + 1):   # the positions the loss really covers (normaliser)
                 n_draft += float(draft_positions(batch["loss_mask"], d, batch.get("segment_ids"), batch["input_ids"],

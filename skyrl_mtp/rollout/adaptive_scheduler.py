@@ -6,8 +6,9 @@ measurements (adaptive_speculation.SpeculationPolicy) rather than in the worker 
 when a step drafted nothing. vLLM's engine core otherwise fetches drafts from the worker after every step
 once speculation is configured (`EngineCore.post_step` -> `take_draft_token_ids`), a round trip through
 the multi-process executor that a no-spec engine never makes; at k = 0 it is skipped here, so a step that
-drafts nothing costs what a no-spec step costs. The scheduler also times whole steps (schedule to
-post_step, round trips included) for the cost model, and reads acceptance from what was verified.
+drafts nothing costs what a no-spec step costs. The scheduler also times whole steps (one schedule() to
+the next: round trips and output processing included) for the cost model, and reads acceptance from what
+was verified.
 
 Installed with the engine argument `scheduler_cls` (EngineConfig sets it when adaptive_speculation is
 on); the worker half (adaptive_speculation.install) follows the k it is sent.
@@ -26,13 +27,17 @@ from vllm.v1.engine.core import EngineCore
 from skyrl_mtp.rollout.adaptive_speculation import AdaptiveSpeculationError, SpeculationPolicy, _require
 
 
+IDLE_GAP_S = 0.002
+
+
 @dataclass
 class _Step:
     t0: float
     num_tokens: int
     batch: int
     k: int
-    decode_only: bool
+    timed: bool     # a decode-only step at the same k as the previous one (CostModel.observe)
+    t_end: float = 0.0
 
 
 class AdaptiveSpeculationScheduler(Scheduler):
@@ -56,22 +61,26 @@ class AdaptiveSpeculationScheduler(Scheduler):
                  "vLLM's Scheduler has no int `num_spec_tokens` (the engine's k)")
         self.policy = SpeculationPolicy(k_max=self.num_spec_tokens)
         self._step: _Step | None = None
+        self._finished: _Step | None = None
+        self._prev_k = -1
         self.fetches_skipped = 0
         install_post_step_guard()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        self._time_finished_step(t0)
         out = super().schedule(*args, **kwargs)
         batch = len(out.num_scheduled_tokens)
         if not batch:
-            self._step = None
+            self._step, self._prev_k = None, -1
             return out
         k = self.policy.choose(batch)
         out.num_spec_tokens_to_schedule = k
         spec = out.scheduled_spec_decode_tokens
         decode_only = not out.scheduled_new_reqs and all(
             n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
-        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, decode_only)
+        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, decode_only and k == self._prev_k)
+        self._prev_k = k
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -93,8 +102,17 @@ class AdaptiveSpeculationScheduler(Scheduler):
 
     def end_step(self) -> None:
         step, self._step = self._step, None
-        if step is not None and step.decode_only and self.policy.timing_valid:
-            self.policy.cost.observe(step.num_tokens, step.batch, step.k, time.perf_counter() - step.t0)
+        if step is not None and step.timed and self.policy.timing_valid:
+            step.t_end = time.perf_counter()
+            self._finished = step
+
+    def _time_finished_step(self, now: float) -> None:
+        """A step costs from its schedule() to the next one: its output processing between steps (per
+        token emitted, so more per step when drafts are accepted) is part of what drafting trades. A gap
+        longer than the step itself means the engine went idle (no requests), and the step is not timed."""
+        step, self._finished = self._finished, None
+        if step is not None and now - step.t_end <= 2.0 * (step.t_end - step.t0) + IDLE_GAP_S:
+            self.policy.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
 
 
 def install_post_step_guard() -> None:

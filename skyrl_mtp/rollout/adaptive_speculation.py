@@ -13,11 +13,12 @@ chosen per engine step to maximise expected tokens per second, from
   verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k.
 
 Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of
-each new batch bucket while drafting can still pay; afterwards every `probe_every`-th step tries a
-neighbour of the best k (one deeper, then one shallower), so the next position's acceptance and the cost
-of a shallower setting stay measured as the head and the batch change. At k = 0 the drafter does not run;
-its KV cache then has holes at the positions of those steps, which may lower later acceptance but never
-changes the emitted tokens (the target verifies every draft), and the measured acceptance sees that effect.
+each new batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing
+off while probes change nothing) tries a neighbour of the best k (one deeper, then one shallower), so the
+next position's acceptance and the cost of a shallower setting stay measured as the head and the batch
+change. At k = 0 the drafter does not run; its KV cache then has holes at the positions of those steps,
+which may lower later acceptance but never changes the emitted tokens (the target verifies every draft),
+and the measured acceptance sees that effect.
 
 Two halves, on vLLM's own mechanism (dynamic speculative decoding: the engine is built with
 `num_speculative_tokens_per_batch_size`, so the scheduler takes drafts of any length <= k_max without
@@ -106,6 +107,7 @@ class OnlineLinearFit:
         self.xtx = [[0.0] * dim for _ in range(dim)]
         self.xty = [0.0] * dim
         self.count = 0
+        self._weights: list[float] | None = None   # solved once per added sample (choose() runs every step)
 
     def add(self, x: list[float], y: float) -> None:
         for i in range(self.dim):
@@ -113,8 +115,14 @@ class OnlineLinearFit:
             for j in range(self.dim):
                 self.xtx[i][j] = self.xtx[i][j] * self.decay + x[i] * x[j]
         self.count += 1
+        self._weights = None
 
     def weights(self) -> list[float]:
+        if self._weights is None:
+            self._weights = self._solve()
+        return self._weights
+
+    def _solve(self) -> list[float]:
         n = self.dim
         a = [[self.xtx[i][j] + (self.ridge * max(self.xtx[i][i], 1e-12) if i == j else 0.0) for j in range(n)]
              + [self.xty[i]] for i in range(n)]
@@ -160,6 +168,8 @@ class CostModel:
     seen_k: dict[int, set[int]] = field(default_factory=dict)
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
+        """A steady step: it verified drafts proposed at the same k it now drafts (the previous step's k
+        equals this one's), so its time is what a run at k costs per step, rejection sampling included."""
         x = step_features(num_tokens, batch, k)
         self.global_fit.add(x, seconds)
         b = bucket(batch)
@@ -193,14 +203,23 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int) -> tupl
 class SpeculationPolicy:
     """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel).
 
-    Calibration: the first steps cycle k over k_max..0 (`warmup_cycles` times); later, the first time a
-    batch bucket is met, one more cycle times it there, unless the live acceptance says no k can gain
-    `min_gain` tokens per step (an untrained head: nothing to calibrate for, the probes keep watching)."""
+    Calibration: the first steps cycle k over k_max..0, two steps each (`warmup_cycles` times). Later, the
+    first time a batch bucket is met, one more cycle times it there if drafting may pay: the live
+    acceptance can gain `min_gain` tokens per step and the model fitted so far puts the best k > 0 within
+    `calibrate_within` of k = 0 in tokens per second (an untrained head, or drafts that cost several plain
+    steps: nothing to calibrate for; the probes keep watching).
+
+    Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing),
+    and only when their predicted extra time is within `explore_budget` of the engine time predicted since
+    the last one: where a draft step costs many plain steps, exploring stays a small share of the time."""
 
     k_max: int
     warmup_cycles: int = 3
     probe_every: int = 32
+    probe_every_max: int = 512
     min_gain: float = 0.1
+    calibrate_within: float = 0.25
+    explore_budget: float = 0.02
     acceptance: AcceptanceEstimate = None  # type: ignore[assignment]
     cost: CostModel = None  # type: ignore[assignment]
     steps: int = 0
@@ -210,6 +229,11 @@ class SpeculationPolicy:
     histogram: list[int] = field(default_factory=list)
     _queue: list[int] = field(default_factory=list)
     _cycled: set[int] = field(default_factory=set)
+    _interval: int = 0
+    _next_probe_at: int = 0
+    _last_best: int = -1
+    _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
+    _spent_at_probe: float = 0.0
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -224,10 +248,11 @@ class SpeculationPolicy:
     def timing_valid(self) -> bool:
         """False during the first calibration cycle: the first step at each depth pays one-off costs
         (kernel selection, buffer allocation) that would bias the cost fit for a long time."""
-        return self.steps > self.k_max + 1
+        return self.steps > len(self._cycle())
 
     def _cycle(self) -> list[int]:
-        return list(range(self.k_max, -1, -1))     # k_max, k_max-1, ..., 0
+        """k_max, k_max, ..., 0, 0: each k twice, so the second step at k is a steady one (timed)."""
+        return [k for k in range(self.k_max, -1, -1) for _ in range(2)]
 
     def choose(self, batch: int) -> int:
         self.steps += 1
@@ -235,28 +260,59 @@ class SpeculationPolicy:
         if self.steps == 1:
             self._cycled.add(b)
             self._queue = self._cycle() * self.warmup_cycles
-        if not self._queue and b not in self._cycled and (
-                expected_tokens(self.acceptance.rates(), self.k_max) >= 1.0 + self.min_gain):
+        if not self._queue and b not in self._cycled and self._may_pay(batch):
             self._cycled.add(b)
             self._queue = self._cycle()
         if self._queue:
             k = self._queue.pop(0)
         else:
             k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max)
-            if self.probe_every and self.steps % self.probe_every == 0:   # measure another k (never the best)
-                self._probe += 1
-                k = self._next_probe(k)
+            if k != self._last_best or not self._interval:   # the choice moved: watch closely again
+                self._interval = self.probe_every
+                self._next_probe_at = min(self._next_probe_at or self.steps + self._interval,
+                                          self.steps + self._interval)
+            self._last_best = k
+            self._spent += self.cost.step_seconds(max(batch, 1), k)
+            if self.probe_every and self.steps >= self._next_probe_at:   # measure another k (never the best)
+                k = self._probe_step(k, max(batch, 1))
         self.chosen_sum += k
         self.chosen_count += 1
         self.histogram[k] += 1
         return k
 
-    def _next_probe(self, best: int) -> int:
+    def _may_pay(self, batch: int) -> bool:
+        alphas = self.acceptance.rates()
+        if expected_tokens(alphas, self.k_max) < 1.0 + self.min_gain:
+            return False
+        if not self.timing_valid:
+            return True
+        _, rates = best_k(alphas, self.cost, max(batch, 1), self.k_max)
+        return max(rates[1:]) >= (1.0 - self.calibrate_within) * rates[0]
+
+    def _probe_step(self, best: int, batch: int) -> int:
+        """Probes back off while they change nothing (the interval doubles up to `probe_every_max` and
+        returns to `probe_every` when the best k moves), and wait while their predicted extra time exceeds
+        `explore_budget` of the time since the last one: where drafting cannot pay they cost little, and
+        a head that improves is still noticed."""
+        k = self._next_probe(best, self._probe + 1)
+        held = 2 if k < best else 1     # a shallower probe measures cost: two steps, the second steady (timed)
+        extra = held * max(self.cost.step_seconds(batch, k) - self.cost.step_seconds(batch, best), 0.0)
+        if extra > self.explore_budget * (self._spent - self._spent_at_probe):
+            return best
+        self._probe += 1
+        self._spent_at_probe = self._spent
+        if held == 2:
+            self._queue = [k]
+        self._interval = min(2 * self._interval, max(self.probe_every_max, self.probe_every))
+        self._next_probe_at = self.steps + self._interval
+        return k
+
+    def _next_probe(self, best: int, probe: int) -> int:
         """A neighbour of the best k, alternately deeper and shallower (the other one at the ends): deeper
         probes measure the next position's acceptance, shallower ones the cost saved; a neighbour is the
         cheapest informative probe (from k = 0 only one draft step is paid)."""
         up, down = best + 1, best - 1
-        if self._probe % 2 == 0:
+        if probe % 2 == 0:
             return up if up <= self.k_max else down
         return down if down >= 0 else up
 

@@ -189,7 +189,8 @@ class InferenceEngine:
         cur = prev   # the last snapshot (stable, or the latest after 50 tries)
         if self.cfg.adaptive_speculation:
             stats = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
-            cur = replace(cur, speculation_steps=float(stats["steps"]), speculation_k_sum=float(stats["k_sum"]))
+            cur = replace(cur, speculation_steps=float(stats["steps"]), speculation_k_sum=float(stats["k_sum"]),
+                          speculation_k_hist=tuple(float(n) for n in stats["k_histogram"]))
         return cur
 
     async def adaptive_speculation_stats(self) -> dict[str, Any] | None:

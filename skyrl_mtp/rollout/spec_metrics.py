@@ -43,6 +43,7 @@ class SpecCounters:
     # of the k chosen at them (mean k per step = speculation_k_sum / speculation_steps)
     speculation_steps: float = 0.0
     speculation_k_sum: float = 0.0
+    speculation_k_hist: tuple[float, ...] = ()   # engine steps per chosen k (0..k_max)
 
     def _combine(self, other: SpecCounters, sign: float) -> SpecCounters:
         return SpecCounters(
@@ -53,6 +54,7 @@ class SpecCounters:
             generated_tokens=self.generated_tokens + sign * other.generated_tokens,
             speculation_steps=self.speculation_steps + sign * other.speculation_steps,
             speculation_k_sum=self.speculation_k_sum + sign * other.speculation_k_sum,
+            speculation_k_hist=_pad_add(self.speculation_k_hist, other.speculation_k_hist, sign),
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -116,6 +118,8 @@ def summarize_window(delta: SpecCounters, label: str, num_speculative_tokens: in
         out[p + f"draft_acceptance_rate_pos_{i}"] = accepted_i / drafts if drafts > 0 else 0.0
     if delta.speculation_steps > 0:   # adaptive k: the mean number of drafts chosen per engine step
         out[p + "speculation_k_mean"] = delta.speculation_k_sum / delta.speculation_steps
+        for k, n in enumerate(delta.speculation_k_hist):
+            out[p + f"speculation_k_share_{k}"] = n / delta.speculation_steps
     return out
 
 

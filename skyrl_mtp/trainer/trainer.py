@@ -212,10 +212,19 @@ class RLTrainer:
         metrics["rollout/logprob_abs_diff"] = diffs / max(n_tok, 1.0)
         metrics["rollout/response_length_mean"] = sum(
             len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
+        head = {}
+        if self.loop.head_max_depths is not None:   # auto k: train the depths the engines drafted, and one more
+            from skyrl_mtp.mtp.draft_depths import depths_to_train
+
+            shares = [metrics.get(f"rollout/train/speculation_k_share_{k}", 0.0)
+                      for k in range(self.loop.head_max_depths + 1)]
+            head["head_depths"] = depths_to_train(shares, self.loop.head_max_depths)
+            metrics["train/head_depths"] = float(head["head_depths"])
         with timer.phase("train"):
             parts = []
             for i, b in enumerate(batches):
-                parts.append(self.policy.train_step(b, policy_loss="dapo", policy_loss_kwargs=self.loss_kwargs))
+                parts.append(self.policy.train_step(b, policy_loss="dapo", policy_loss_kwargs=self.loss_kwargs,
+                                                    **head))
                 self._stop_if_not_finite(parts[-1], f"mini-batch {i + 1} of {len(batches)}", metrics, timer)
         metrics.update(mean_metrics(parts))
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))

@@ -108,32 +108,72 @@ def test_a_fit_that_calls_deeper_steps_cheaper_does_not_buy_useless_drafts():
 
 
 def test_policy_calibrates_then_exploits_and_probes():
-    pol = SpeculationPolicy(k_max=2, warmup_cycles=2, probe_every=10)
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=1.0)
     first = [pol.choose(4) for _ in range(6)]
-    assert first == [2, 1, 0, 2, 1, 0]
+    assert first == [2, 2, 1, 1, 0, 0]     # each k twice: the second step at a k is steady (timed)
+    assert not pol.timing_valid            # the first cycle pays one-off costs: not timed
     pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002)
     pol.acceptance.observe([2] * 50, [0] * 50)   # a useless head
-    later = [pol.choose(4) for _ in range(24)]
-    probes = [k for i, k in enumerate(later, start=7) if i % 10 == 0]
-    assert all(k == 0 for i, k in enumerate(later, start=7) if i % 10), later
-    assert probes and all(k == 1 for k in probes)   # from k = 0 the probe is one draft step (the cheapest)
+    later = [pol.choose(4) for _ in range(64)]
+    assert pol.timing_valid
+    probed = [i for i, k in enumerate(later, start=7) if k]
+    # probes back off while they change nothing: 10 steps after the first choice, then 20, then 40
+    assert probed == [17, 37], later
+    assert all(later[i - 7] == 1 for i in probed)  # from k = 0 the probe is one draft step (the cheapest)
     st = pol.stats()
-    assert st["steps"] == 30 and st["k_sum"] == sum(first) + sum(later)
-    assert sum(st["k_histogram"]) == 30
+    assert st["steps"] == 70 and st["k_sum"] == sum(first) + sum(later)
+    assert sum(st["k_histogram"]) == 70
     # a new batch bucket with a useless head: nothing to calibrate for, so no drafting cycle there
     assert [pol.choose(64) for _ in range(3)] == [0, 0, 0]
     assert pol.stats()["calibrated_buckets"] == [3]
+    # the head improves: the best k moves, and the probes watch closely again
+    pol.acceptance = type(pol.acceptance)(k_max=2)
+    pol.acceptance.observe([2] * 200, [2] * 200)
+    assert pol.choose(4) == 2
+    nxt = [pol.choose(4) for _ in range(30)]
+    # the probe already due at step 77 runs (shallower from k = 2, held two steps so it is timed); the
+    # interval restarted at 10 steps and, as that probe changed nothing, doubles to 20
+    assert nxt[:4] == [2, 2, 1, 1] and [i for i, k in enumerate(nxt) if k != 2] == [2, 3, 22, 23], nxt
 
 
 def test_policy_calibrates_each_new_batch_bucket_while_drafting_can_pay():
     pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
-    assert [pol.choose(1) for _ in range(3)] == [2, 1, 0]
+    assert [pol.choose(1) for _ in range(6)] == [2, 2, 1, 1, 0, 0]
     pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002)
     pol.acceptance.observe([2] * 50, [2] * 50)   # a good head
     assert pol.choose(1) == 2
-    assert [pol.choose(16) for _ in range(3)] == [2, 1, 0]   # batch 16 is new: one cycle timed there
-    assert [pol.choose(17) for _ in range(2)] == [2, 2]      # same bucket: the fit decides
+    assert [pol.choose(16) for _ in range(6)] == [2, 2, 1, 1, 0, 0]   # batch 16 is new: one cycle timed there
+    assert [pol.choose(17) for _ in range(2)] == [2, 2]               # same bucket: the fit decides
     assert pol.stats()["calibrated_buckets"] == [1, 5]
+
+
+def _costly_drafts() -> CostModel:
+    """A draft step costs ten plain steps (a tiny model: per-step overheads of the drafter dominate)."""
+    cost = CostModel(k_max=2)
+    for b in (1, 4, 16, 64):
+        for k in range(3):
+            cost.observe(b * (1 + k), b, k, 0.010 + 0.09 * (k > 0) + 0.05 * max(k - 1, 0))
+    return cost
+
+
+def test_probes_wait_for_their_exploration_budget():
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=0.02)
+    [pol.choose(4) for _ in range(6)]
+    pol.cost = _costly_drafts()
+    pol.acceptance.observe([2] * 50, [1] * 50)   # half of the first drafts accepted: still no k > 0 pays
+    later = [pol.choose(4) for _ in range(600)]
+    probed = [i for i, k in enumerate(later, start=7) if k]
+    # a probe (k = 1) costs 0.09 s more than a 0.010 s step: 2% of the time allows one per 450 steps
+    assert probed == [6 + 450], probed      # on the 450th step chosen by the model
+
+
+def test_a_new_bucket_is_not_calibrated_where_drafts_cost_too_much():
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
+    [pol.choose(4) for _ in range(6)]
+    pol.cost = _costly_drafts()
+    pol.acceptance.observe([2] * 50, [2] * 50)   # a perfect head: 3 tokens per step at k = 2, for 16x the cost
+    assert [pol.choose(64) for _ in range(4)] == [0, 0, 0, 0]
+    assert pol.stats()["calibrated_buckets"] == [3]
 
 
 def test_accepted_counts_from_padded_tensor_and_lists():
@@ -226,10 +266,10 @@ def test_engine_core_skips_the_draft_fetch_after_a_step_that_drafted_nothing():
     sched.update_draft_token_ids = lambda d: fetched.append(d)
     core = SimpleNamespace(scheduler=sched, check_for_draft_tokens=True, async_scheduling=False,
                            model_executor=SimpleNamespace(take_draft_token_ids=lambda: "drafts"))
-    sched._step = _Step(t0=0.0, num_tokens=4, batch=4, k=0, decode_only=True)
+    sched._step = _Step(t0=0.0, num_tokens=4, batch=4, k=0, timed=True)
     EngineCore.post_step(core, True)
     assert fetched == [] and sched.fetches_skipped == 1 and sched._step is None
-    sched._step = _Step(t0=0.0, num_tokens=4, batch=4, k=2, decode_only=True)
+    sched._step = _Step(t0=0.0, num_tokens=4, batch=4, k=2, timed=True)
     EngineCore.post_step(core, True)
     assert fetched == ["drafts"] and sched.fetches_skipped == 1
     other = SimpleNamespace(scheduler=SimpleNamespace(update_draft_token_ids=lambda d: fetched.append(d)),

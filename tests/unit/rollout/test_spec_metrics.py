@@ -129,3 +129,11 @@ def test_counters_from_vllm_metric_objects_sum_over_label_sets():
     total = sum_counters([c, SpecCounters(1, 1, 1, (1.0, 0.0, 5.0), 2)])
     assert total.accepted_per_pos == (5.0, 3.0, 5.0)
     assert total.num_drafts == 6
+
+
+def test_adaptive_k_histogram_becomes_shares_of_the_window():
+    before = SpecCounters(speculation_steps=10.0, speculation_k_sum=6.0, speculation_k_hist=(6.0, 2.0, 2.0))
+    after = SpecCounters(speculation_steps=30.0, speculation_k_sum=16.0, speculation_k_hist=(16.0, 2.0, 12.0))
+    m = summarize_window(after - before, "train", 2, 1.0)
+    assert m["rollout/train/speculation_k_mean"] == pytest.approx(0.5)
+    assert [m[f"rollout/train/speculation_k_share_{k}"] for k in range(3)] == pytest.approx([0.5, 0.0, 0.5])
