@@ -63,7 +63,9 @@ def measure(llm, prompts, params, reps: int, adaptive: bool = False) -> dict[str
     def adaptive_stats():
         return llm.collective_rpc("skyrl_adaptive_speculation_stats")[0] if adaptive else None
 
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], params, use_tqdm=False)   # warm up
+    # warm up at the measured batch: its kernel shapes, and (auto) the calibration for its batch bucket,
+    # which an RL run pays once per engine, not per rollout
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     before, st0 = counters(llm), adaptive_stats()
     times, tokens = [], 0
     for _ in range(reps):

@@ -63,6 +63,8 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     out["reward"] = sum(r.get("reward/mean", 0.0) for r in rows) / len(rows)
     ks = [r["rollout/train/speculation_k_mean"] for r in rows if "rollout/train/speculation_k_mean" in r]
     out["k_mean"] = sum(ks) / len(ks) if ks else None   # auto only: mean drafts chosen per engine step
+    depths = [r["train/head_depths"] for r in rows if "train/head_depths" in r]
+    out["head_depths"] = sum(depths) / len(depths) if depths else None   # auto only: depths the head trained
     return out
 
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
                      "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],
                      "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio,
-                     "k_mean": r["k_mean"]})
+                     "k_mean": r["k_mean"], "head_depths": r["head_depths"]})
     # the headline pair: the product set-up (auto k when measured, else the fixed-k one) over no_spec
     spec = next((n for n in ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling") if n in results),
                 None)

@@ -35,7 +35,7 @@ EXPECTED = {
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
     "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec"}, {"setup", "generate_s", "reward_s", "train_s", "sync_s", "step_s",
-                                         "acceptance", "tokens_per_s", "step_ratio_vs_no_spec"}),
+                                         "acceptance", "tokens_per_s", "step_ratio_vs_no_spec", "k_mean", "head_depths"}),
 }
 
 # scripts a test already runs as a user would, at a larger size, checking their JSON (no second smoke run)
@@ -76,4 +76,7 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
         for key in ("time_ms", "tokens_per_s", "step_s"):   # measured, not placeholders
             if key in row:
                 assert row[key] > 0, (script, key, row)
+    if script == "step_time.py":   # auto k: the trainer chose the head's depths from the engines' k each step
+        auto = next(r for r in result["rows"] if r["setup"] == "spec_auto")
+        assert 1 <= auto["head_depths"] <= 3 and 0 <= auto["k_mean"] <= 3, auto
     print(f"{script} --quick: {seconds:.1f}s")
