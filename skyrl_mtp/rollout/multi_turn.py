@@ -27,6 +27,9 @@ from skyrl_mtp.trainer.errors import RunStoppedError
 
 RETRIEVER_ERROR_POLICIES = ("score", "raise")
 FINISH_REASONS = ("answer", "max_turns", "length", "no_action", "search_failed")
+# summarize()'s counts and maxima: several calls of one step combine by sum / max, not by the mean
+SUMMED_METRICS = ("multi_turn/search_failures", "multi_turn/search_timeouts")
+MAX_METRICS = ("multi_turn/retriever_latency_max_s",)
 
 
 class RetrieverFailedError(RunStoppedError):

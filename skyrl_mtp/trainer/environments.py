@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from skyrl_mtp.data.datasets import PromptExample
+from skyrl_mtp.rollout.multi_turn import MAX_METRICS, SUMMED_METRICS
 from skyrl_mtp.rollout.sampling import SamplingSpec
 from skyrl_mtp.trainer.batch import Rollout
 
@@ -31,6 +32,11 @@ class RolloutGroup:
 
 
 class Environment(Protocol):
+    # generate() metrics that are counts or maxima of one call: over a step's dynamic-sampling rounds
+    # they are summed / maxed, every other metric is averaged (trainer.combine_round_metrics)
+    summed_metrics: tuple[str, ...]
+    max_metrics: tuple[str, ...]
+
     def generate(self, examples: list[PromptExample], sampling: SamplingSpec,
                  n_samples: int) -> tuple[list[RolloutGroup], dict[str, float]]: ...
 
@@ -46,6 +52,9 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 class MathEnvironment:
     """Single-turn generation scored by the math verifier (\\boxed{} or a configured pattern)."""
+
+    summed_metrics: tuple[str, ...] = ()
+    max_metrics: tuple[str, ...] = ()
 
     def __init__(self, client: Any, tokenizer: Any, reward: Any):
         self.client, self.tokenizer, self.reward = client, tokenizer, reward
@@ -80,6 +89,8 @@ class MathEnvironment:
 
 class SearchEnvironment:
     """Multi-turn `<search>` / `<information>` / `<answer>` rollouts scored by exact match (F1 logged)."""
+
+    summed_metrics, max_metrics = SUMMED_METRICS, MAX_METRICS
 
     def __init__(self, client: Any, tokenizer: Any, retriever: Any, max_turns: int, max_total_len: int,
                  on_failure: str = "score", stop_server: Any = None):

@@ -45,6 +45,19 @@ def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in keys}
 
 
+def combine_round_metrics(parts: list[dict[str, float]], summed: tuple[str, ...] = (),
+                          maxima: tuple[str, ...] = ()) -> dict[str, float]:
+    """One step's metrics from its generation rounds: counts summed, maxima maxed, the rest averaged."""
+    out = mean_metrics(parts)
+    for k in out:
+        vals = [p[k] for p in parts if k in p]
+        if k in summed:
+            out[k] = sum(vals)
+        elif k in maxima:
+            out[k] = max(vals)
+    return out
+
+
 class RLTrainer:
     def __init__(self, cfg: Any, *, engines: Any, policy: Any, env: Environment, tokenizer: Any,
                  train_examples: list[PromptExample], val_examples: list[PromptExample], run_dir: RunDir,
@@ -135,7 +148,8 @@ class RLTrainer:
             spec_m = window.stop()   # a paused window stops with the time before its pause
         stats = acc.stats()
         kept = acc.take()
-        metrics = {**mean_metrics(env_metrics), **spec_m, **stats}
+        metrics = {**combine_round_metrics(env_metrics, self.env.summed_metrics, self.env.max_metrics), **spec_m,
+                   **stats}
         # reward/* describes every sampled response of the step (the policy's current quality)
         flat = [r.reward for g in all_groups for r in g.rollouts]
         metrics["reward/mean"] = sum(flat) / max(len(flat), 1)

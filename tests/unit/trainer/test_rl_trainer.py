@@ -78,6 +78,9 @@ class FakePolicy:
 class FakeEnv:
     """Sample i of a prompt gets reward `reward(prompt_index, i)`; responses are 2 tokens."""
 
+    summed_metrics: tuple[str, ...] = ()
+    max_metrics: tuple[str, ...] = ()
+
     def __init__(self, reward):
         self.reward, self.generated = reward, []
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from skyrl_mtp.trainer.batch import Rollout, build_train_batch
 from skyrl_mtp.trainer.run_dir import COMPLETE_MARKER, RunDir, read_trainer_state
-from skyrl_mtp.trainer.trainer import mean_metrics, step_seed
+from skyrl_mtp.trainer.trainer import combine_round_metrics, mean_metrics, step_seed
 from skyrl_mtp.trainer.warm_start import (
     SFTExample,
     WarmStartPlan,
@@ -227,3 +227,15 @@ def test_policy_group_wants_one_option_set_per_rank():
 
     with pytest.raises(ValueError, match="per_rank_options has 1 entries for world_size=2"):
         PolicyGroup.create(None, "/nowhere", 2, 1, 1, 1, 2, per_rank_options=[{}])
+
+
+def test_round_metrics_sum_counts_max_maxima_and_average_the_rest():
+    from skyrl_mtp.rollout.multi_turn import MAX_METRICS, SUMMED_METRICS
+
+    rounds = [{"multi_turn/search_failures": 2.0, "multi_turn/retriever_latency_max_s": 0.5,
+               "multi_turn/num_turns_mean": 1.0},
+              {"multi_turn/search_failures": 3.0, "multi_turn/retriever_latency_max_s": 0.2,
+               "multi_turn/num_turns_mean": 2.0}]
+    m = combine_round_metrics(rounds, SUMMED_METRICS, MAX_METRICS)
+    assert m == {"multi_turn/search_failures": 5.0, "multi_turn/retriever_latency_max_s": 0.5,
+                 "multi_turn/num_turns_mean": 1.5}
