@@ -141,6 +141,7 @@ def main(argv=None) -> dict:
     from skyrl_mtp.policy.config import PolicyWorkerConfig
     from skyrl_mtp.policy.megatron.optimizers import clip_grad_norm
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy, token_logprobs
+    from skyrl_mtp.policy.synthetic_batch import random_dapo_batch
 
     ckpt = build_checkpoint(Path(tempfile.mkdtemp(prefix="draft_loss_bench_")) / "ckpt", a)
     port = free_port()
@@ -149,13 +150,8 @@ def main(argv=None) -> dict:
     off = MegatronPolicy(PolicyWorkerConfig(**common, mtp_enabled=False), str(ckpt), 0, 1, "127.0.0.1", port)
     cheap = MegatronPolicy(PolicyWorkerConfig(**common, mtp_loss_position_fraction=a.position_fraction), str(ckpt),
                            0, 1, "127.0.0.1", port)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
-    lm = torch.ones(a.batch, a.seq)
-    lm[:, : a.prompt_len] = 0
-    raw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lm,
-           "old_logprobs": torch.full((a.batch, a.seq), -5.0),
-           "advantages": torch.randn(a.batch, 1, generator=g).expand(a.batch, a.seq).clone()}
+    raw = random_dapo_batch(torch.Generator().manual_seed(0), a.batch, a.seq, vocab=a.vocab, prompt_len=a.prompt_len)
+    ids, lm = raw["input_ids"], raw["loss_mask"]
     batch = prepare(raw)
     on.model.train()
     off.model.train()

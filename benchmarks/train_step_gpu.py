@@ -97,6 +97,7 @@ def run(a) -> dict:
     from skyrl_mtp.policy.config import PolicyWorkerConfig
     from skyrl_mtp.policy.device import rank_device
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy
+    from skyrl_mtp.policy.synthetic_batch import random_dapo_batch
 
     dev = rank_device()
     dtype = a.dtype or ("bfloat16" if dev.is_cuda else "float32")
@@ -106,13 +107,7 @@ def run(a) -> dict:
                                  recompute_activations=a.recompute, export_hf=False, export_draft_head=False)
         pol = MegatronPolicy(cfg, str(ckpt), 0, 1, "127.0.0.1", free_port())
     n_params = sum(p.numel() for p in pol.policy_params)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
-    lm = torch.zeros(a.batch, a.seq)
-    lm[:, a.seq // 4:] = 1
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lm,
-             "old_logprobs": torch.full((a.batch, a.seq), -5.0),
-             "advantages": torch.randn(a.batch, 1, generator=g).expand(a.batch, a.seq).clone()}
+    batch = random_dapo_batch(torch.Generator().manual_seed(0), a.batch, a.seq, vocab=a.vocab)
     tokens = a.batch * a.seq
     gpu = torch.cuda.get_device_name(0) if dev.is_cuda else None
     peak = next((v for k, v in PEAK_FLOPS.items() if gpu and k in gpu), None)

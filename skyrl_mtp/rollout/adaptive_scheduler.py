@@ -26,7 +26,6 @@ from vllm.v1.engine.core import EngineCore
 
 from skyrl_mtp.rollout.adaptive_speculation import AdaptiveSpeculationError, SpeculationPolicy, _require
 
-
 IDLE_GAP_S = 0.002
 
 

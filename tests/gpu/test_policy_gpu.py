@@ -13,22 +13,15 @@ import torch
 import torch.multiprocessing as mp
 from policy_gpu_rank import run_scenario
 
+from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
+
 pytestmark = pytest.mark.gpu
 
 CFG = dict(policy_lr=1e-4, head_lr=1e-3, micro_batch_size=2, seed=0)
 
 
 def batches():
-    out = []
-    for seed in range(2):
-        g = torch.Generator().manual_seed(300 + seed)
-        ids = torch.randint(0, 512, (4, 24), generator=g)
-        lm = torch.zeros(4, 24)
-        lm[:, 6:] = 1
-        out.append({"input_ids": ids, "attention_mask": torch.ones(4, 24, dtype=torch.long), "loss_mask": lm,
-                    "old_logprobs": torch.full((4, 24), -4.0),
-                    "advantages": torch.randn(4, 1, generator=g).expand(4, 24).clone()})
-    return out
+    return random_dapo_batches(2, 300, 4, 24, prompt_len=6, old_logprob=-4.0)
 
 
 def _run(tmp_path, name, scenario, device, ckpt, **cfg):

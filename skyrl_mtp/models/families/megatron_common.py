@@ -21,6 +21,28 @@ def check_divisible(tp: int, **sizes: int) -> None:
             raise ModelBuildError(f"{name}={v} is not divisible by tensor parallel size tp={tp}")
 
 
+def gated_rmsnorm_decoder_kwargs(args, *, qkv_bias: bool) -> dict:
+    """TransformerConfig fields of a pre-norm decoder with RMSNorm and a SwiGLU MLP (Qwen2/MiMo and the
+    Qwen3.5 family): sizes from the family's args (num_layers, hidden_size, num_heads, num_kv_heads,
+    head_dim, intermediate_size, rms_norm_eps)."""
+    import torch.nn.functional as F
+
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        ffn_hidden_size=args.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+    )
+
+
 def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int) -> dict:
     """TransformerConfig fields that do not depend on the architecture."""
     return dict(

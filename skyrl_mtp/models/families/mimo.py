@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .base import (
     ModelBuildError,
@@ -25,7 +24,13 @@ from .base import (
     split_rule,
     swap_halves_rule,
 )
-from .megatron_common import check_divisible, check_dtype, common_config_kwargs, rope_base
+from .megatron_common import (
+    check_divisible,
+    check_dtype,
+    common_config_kwargs,
+    gated_rmsnorm_decoder_kwargs,
+    rope_base,
+)
 
 
 @dataclass(frozen=True)
@@ -84,18 +89,7 @@ def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, d
     check_divisible(tp, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
                     intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_heads,
-        num_query_groups=args.num_kv_heads,
-        kv_channels=args.head_dim,
-        ffn_hidden_size=args.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=args.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=args.qkv_bias,
+        **gated_rmsnorm_decoder_kwargs(args, qkv_bias=args.qkv_bias),
         **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
     )
 

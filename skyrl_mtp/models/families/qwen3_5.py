@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .base import (
     ModelBuildError,
@@ -35,7 +34,13 @@ from .base import (
     sections_rule,
     split_rule,
 )
-from .megatron_common import check_divisible, check_dtype, common_config_kwargs, rope_base
+from .megatron_common import (
+    check_divisible,
+    check_dtype,
+    common_config_kwargs,
+    gated_rmsnorm_decoder_kwargs,
+    rope_base,
+)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -130,18 +135,7 @@ def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dt
         raise ModelBuildError(f"linear_num_value_heads={args.linear_num_value_heads} must be a multiple of "
                               f"linear_num_key_heads={args.linear_num_key_heads}")
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_heads,
-        num_query_groups=args.num_kv_heads,
-        kv_channels=args.head_dim,
-        ffn_hidden_size=args.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=args.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
+        **gated_rmsnorm_decoder_kwargs(args, qkv_bias=False),
         qk_layernorm=True,
         attention_output_gate=args.attn_output_gate,
         linear_conv_kernel_dim=args.conv_kernel,

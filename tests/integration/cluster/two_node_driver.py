@@ -11,21 +11,13 @@ import ray
 import torch
 
 from skyrl_mtp.policy.config import PolicyWorkerConfig
+from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
 from skyrl_mtp.policy.worker import node_address
 from skyrl_mtp.trainer.policy_group import PolicyGroup
 
 
 def batches():
-    out = []
-    for seed in range(2):
-        g = torch.Generator().manual_seed(200 + seed)
-        ids = torch.randint(0, 512, (4, 16), generator=g)
-        lm = torch.zeros(4, 16)
-        lm[:, 5:] = 1
-        out.append({"input_ids": ids, "attention_mask": torch.ones(4, 16, dtype=torch.long), "loss_mask": lm,
-                    "old_logprobs": torch.full((4, 16), -4.0),
-                    "advantages": torch.randn(4, 1, generator=g).expand(4, 16).clone()})
-    return out
+    return random_dapo_batches(2, 200, 4, 16, prompt_len=5, old_logprob=-4.0)
 
 
 def run(ckpt: str, placement: list[str]) -> dict:

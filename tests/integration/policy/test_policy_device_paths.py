@@ -13,18 +13,14 @@ from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron.hf_bridge import megatron_to_hf
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy, load_hf_weights
+from skyrl_mtp.policy.synthetic_batch import random_dapo_batch
 
 pytestmark = pytest.mark.integration
 CFG = dict(policy_lr=1e-3, head_lr=1e-3, micro_batch_size=2, seed=0)
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 512, (4, 16), generator=g)
-    lm = torch.zeros(4, 16)
-    lm[:, 4:] = 1
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lm,
-            "old_logprobs": torch.full((4, 16), -5.0), "advantages": torch.randn(4, 1, generator=g).expand(4, 16).clone()}
+    return random_dapo_batch(torch.Generator().manual_seed(seed), 4, 16, prompt_len=4)
 
 
 def test_cpu_rank_recompute_stream_export(tiny_ckpt, tmp_path):

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from parallel_rank import run_megatron_optimizer_rank
 
 from skyrl_mtp.net import free_port
+from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
 
 pytestmark = pytest.mark.integration
 # clips below the grad norms of these batches (policy 3-5, head ~0.08): clipping is exercised on both sides
@@ -20,17 +21,8 @@ STEPS = 3
 
 
 def batches():
-    out = []
-    for seed in range(STEPS):
-        g = torch.Generator().manual_seed(200 + seed)
-        ids = torch.randint(0, 512, (4, 16), generator=g)
-        lm = torch.zeros(4, 16)
-        lm[:, 5:] = 1
-        # old logprobs near the tiny model's own (~ -log 512): ratios stay inside DAPO's clip, grads are nonzero
-        out.append({"input_ids": ids, "attention_mask": torch.ones(4, 16, dtype=torch.long), "loss_mask": lm,
-                    "old_logprobs": torch.full((4, 16), -6.2),
-                    "advantages": torch.randn(4, 1, generator=g).expand(4, 16).clone()})
-    return out
+    # old logprobs near the tiny model's own (~ -log 512): ratios stay inside DAPO's clip, grads are nonzero
+    return random_dapo_batches(STEPS, 200, 4, 16, prompt_len=5, old_logprob=-6.2)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,14 @@ from parallel_rank import run_rank
 from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy
+from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
 
 pytestmark = pytest.mark.integration
 CFG = dict(policy_lr=1e-3, head_lr=1e-3, micro_batch_size=2, seed=0, mtp_num_depths=2)
 
 
 def batches():
-    out = []
-    for seed in range(2):
-        g = torch.Generator().manual_seed(100 + seed)
-        ids = torch.randint(0, 512, (4, 20), generator=g)
-        lm = torch.zeros(4, 20)
-        lm[:, 6:] = 1
-        out.append({"input_ids": ids, "attention_mask": torch.ones(4, 20, dtype=torch.long), "loss_mask": lm,
-                    "old_logprobs": torch.full((4, 20), -4.0),
-                    "advantages": torch.randn(4, 1, generator=g).expand(4, 20).clone()})
-    return out
+    return random_dapo_batches(2, 100, 4, 20, prompt_len=6, old_logprob=-4.0)
 
 
 @pytest.fixture(scope="module")

@@ -253,7 +253,11 @@ def test_engine_core_skips_the_draft_fetch_after_a_step_that_drafted_nothing():
     pytest.importorskip("vllm")
     from vllm.v1.engine.core import EngineCore
 
-    from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler, _Step, install_post_step_guard
+    from skyrl_mtp.rollout.adaptive_scheduler import (
+        AdaptiveSpeculationScheduler,
+        _Step,
+        install_post_step_guard,
+    )
 
     install_post_step_guard()
     wrapped = EngineCore.post_step
