@@ -71,7 +71,7 @@ def test_moving_average_and_summary_tenths(tmp_path):
     assert "last 10%" in format_summary(s)
 
 
-def _fake_run(root, *, trunk_value=1.0, mtp_value=1.0, acceptance=0.5, reward=0.25):
+def _fake_run(root, *, trunk_value=1.0, mtp_value=1.0, acceptance=0.5, reward=0.25, mtp_name="model.mtp_layers.0.w"):
     import torch
     from safetensors.torch import save_file
 
@@ -84,7 +84,7 @@ def _fake_run(root, *, trunk_value=1.0, mtp_value=1.0, acceptance=0.5, reward=0.
     (ck / "hf").mkdir(parents=True)
     (ck / "COMPLETE").write_text("")
     save_file({"model.layers.0.w": torch.full((2, 2), trunk_value),
-               "model.mtp_layers.0.w": torch.full((2,), mtp_value)}, str(ck / "hf" / "model.safetensors"))
+               mtp_name: torch.full((2,), mtp_value)}, str(ck / "hf" / "model.safetensors"))
     return root
 
 
@@ -101,6 +101,11 @@ def test_compare_policy_runs_ignores_the_head_and_catches_the_trunk(tmp_path):
     reward = _fake_run(tmp_path / "d", reward=0.5)
     problems, _ = compare_policy_runs(base, reward)
     assert len(problems) == 2 and all("reward/mean" in p for p in problems)
+    # Qwen3.5's MTP tensors live under "mtp.": the head is still told apart from the trunk
+    qa = _fake_run(tmp_path / "qa", mtp_name="mtp.layers.0.w")
+    qb = _fake_run(tmp_path / "qb", mtp_name="mtp.layers.0.w", mtp_value=2.0)
+    problems, summary = compare_policy_runs(qa, qb)
+    assert problems == [] and summary["trunk_tensors_compared"] == 1
 
 
 def test_wandb_mode_comes_from_the_config_not_the_environment(tmp_path, monkeypatch):
