@@ -1,7 +1,10 @@
 """RL step time on the tiny default, split into generate / reward / train / sync, for four set-ups:
 
 - spec_auto:      the product with trainer.mtp.num_speculative_tokens=auto: k per engine step chosen from
-                  the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py),
+                  the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py);
+                  the head trains the depths the engines drafted, on every step while they draft and on
+                  every trainer.mtp.idle_head_train_every-th step while they do not (head_depths,
+                  head_trained_share),
 - spec_mtp_train: MTP speculative decoding with the draft head trained, fixed k (the recipe's),
 - spec_vllm_coupling: the same with vLLM's own rejection-sampling coupling instead of the
                   draft-invariant one (generator.draft_invariant_sampling=false): the price of the
@@ -65,6 +68,8 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     out["k_mean"] = sum(ks) / len(ks) if ks else None   # auto only: mean drafts chosen per engine step
     depths = [r["train/head_depths"] for r in rows if "train/head_depths" in r]
     out["head_depths"] = sum(depths) / len(depths) if depths else None   # auto only: depths the head trained
+    trained = [r["train/head_trained"] for r in rows if "train/head_trained" in r]
+    out["head_trained_share"] = sum(trained) / len(trained) if trained else None   # auto only: steps it trained
     return out
 
 
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
                      "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],
                      "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio,
-                     "k_mean": r["k_mean"], "head_depths": r["head_depths"]})
+                     "k_mean": r["k_mean"], "head_depths": r["head_depths"],
+                     "head_trained_share": r["head_trained_share"]})
     # the headline pair: the product set-up (auto k when measured, else the fixed-k one) over no_spec
     spec = next((n for n in ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling") if n in results),
                 None)

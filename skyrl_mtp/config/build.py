@@ -177,6 +177,7 @@ class LoopConfig:
     # trainer.mtp.train_depths=null under num_speculative_tokens=auto: each step's head training covers the
     # depths the engines drafted (mtp/draft_depths.py), at most `head_max_depths`; otherwise None
     head_max_depths: int | None = None
+    idle_head_train_every: int = 1   # with head_max_depths: the head's cadence while the engines do not draft
 
 
 def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -204,7 +205,8 @@ def loop_config(cfg: DictConfig) -> LoopConfig:
         overlong_punishment=(bool(op.enabled), int(op.buffer_len), float(op.penalty_factor)),
         dp=int(cfg.megatron.dp), checkpoint_every_n_steps=int(t.checkpoint.every_n_steps),
         keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
-        run_dir=str(t.run_dir), head_max_depths=head_depths_follow_engines(cfg))
+        run_dir=str(t.run_dir), head_max_depths=head_depths_follow_engines(cfg),
+        idle_head_train_every=int(t.mtp.idle_head_train_every) if head_depths_follow_engines(cfg) else 1)
 
 
 def head_depths_follow_engines(cfg: DictConfig) -> int | None:

@@ -41,6 +41,10 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
     if not (isinstance(knob.loss_position_fraction, (int, float)) and 0.0 < knob.loss_position_fraction <= 1.0):
         out.append(problem("trainer.mtp.loss_position_fraction", knob.loss_position_fraction,
                            "must be in (0, 1] (the fraction of draft positions the head's loss is computed on)"))
+    every = knob.idle_head_train_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        out.append(problem("trainer.mtp.idle_head_train_every", every,
+                           "must be an int >= 1 (train the head on every N-th step while the engines do not draft)"))
     if knob.train_depths is not None and knob.train_depths < 1:
         out.append(problem("trainer.mtp.train_depths", knob.train_depths,
                            "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)"))

@@ -5,12 +5,20 @@ maximum k per step. Training every depth up to the maximum costs the head's forw
 depth even when the engines hardly draft at all, while training only the depths they use would stop the
 loop from ever deepening. So the head is trained on the depths the engines drafted in a real share of the
 last rollout's steps, plus one more: that next depth improves in the background, the engines' probes
-measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null under auto).
+measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null under auto). While
+the engines hardly draft at all, the head trains on every few steps only (trainer.mtp.idle_head_train_every):
+kept aligned with the policy for when drafting pays again, at a fraction of the cost.
 """
 
 from __future__ import annotations
 
 MIN_SHARE = 0.1
+
+
+def engines_idle(k_shares: list[float], min_share: float = MIN_SHARE) -> bool:
+    """The engines drafted (k >= 1) in fewer than `min_share` of the steps; no steps recorded: not idle."""
+    total = float(sum(k_shares))
+    return total > 0 and sum(k_shares[1:]) / total < min_share
 
 
 def depths_to_train(k_shares: list[float], max_depths: int, min_share: float = MIN_SHARE) -> int:

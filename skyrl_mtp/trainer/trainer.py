@@ -228,12 +228,16 @@ class RLTrainer:
             len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
         head = {}
         if self.loop.head_max_depths is not None:   # auto k: train the depths the engines drafted, and one more
-            from skyrl_mtp.mtp.draft_depths import depths_to_train
+            from skyrl_mtp.mtp.draft_depths import depths_to_train, engines_idle
 
             shares = [metrics.get(f"rollout/train/speculation_k_share_{k}", 0.0)
                       for k in range(self.loop.head_max_depths + 1)]
             head["head_depths"] = depths_to_train(shares, self.loop.head_max_depths)
+            # while the engines do not draft, the head keeps up on every few steps (a function of the step
+            # number, so a resumed run trains it on the same steps)
+            head["train_head"] = not engines_idle(shares) or (self.step + 1) % self.loop.idle_head_train_every == 0
             metrics["train/head_depths"] = float(head["head_depths"])
+            metrics["train/head_trained"] = float(head["train_head"])
         with timer.phase("train"):
             parts = []
             for i, b in enumerate(batches):

@@ -78,5 +78,5 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
                 assert row[key] > 0, (script, key, row)
     if script == "step_time.py":   # auto k: the trainer chose the head's depths from the engines' k each step
         auto = next(r for r in result["rows"] if r["setup"] == "spec_auto")
-        assert 1 <= auto["head_depths"] <= 3 and 0 <= auto["k_mean"] <= 3, auto
+        assert 1 <= auto["head_depths"] <= 3 and 0 <= auto["k_mean"] <= 3 and 0 <= auto["head_trained_share"] <= 1, auto
     print(f"{script} --quick: {seconds:.1f}s")

@@ -26,3 +26,11 @@ def test_counts_are_normalised_and_no_steps_trains_every_depth():
 def test_a_maximum_below_one_is_refused():
     with pytest.raises(ValueError, match="max_depths=0"):
         depths_to_train([1.0], 0)
+
+
+def test_engines_are_idle_when_they_hardly_draft():
+    from skyrl_mtp.mtp.draft_depths import engines_idle
+
+    assert engines_idle([0.95, 0.05, 0.0, 0.0])
+    assert not engines_idle([0.85, 0.15, 0.0, 0.0])
+    assert not engines_idle([0, 0, 0, 0])          # no steps recorded: nothing says drafting is idle
