@@ -14,9 +14,10 @@
 
 Each set-up is one real run of the CLI (Ray, vLLM, Megatron) with the same seeds and data; the
 warm start is cached so only the first run pays for it. Means are over steps after the first
-(`--skip`), and ratios are taken against no_spec from the same invocation.
+(`--skip`), and ratios are taken against no_spec from the same invocation. `--repeats R` runs every
+set-up R times in alternating order (means over all runs; the ratios of each repeat are listed too).
 
-    python benchmarks/step_time.py [--steps 12] [--setups a,b] [--quick] [--json OUT] [override ...]
+    python benchmarks/step_time.py [--steps 12] [--repeats 1] [--setups a,b] [--quick] [--json OUT] [override ...]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ QUICK_OVERRIDES = ["trainer.warm_start.enabled=false", "trainer.train_batch_size
 
 def run_setup(name: str, extra: list[str], steps: int, out: Path, overrides: list[str]) -> list[dict]:
     run_dir = out / name
+    out.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "skyrl_mtp.main", "recipe=tiny_dapo", f"trainer.run_dir={run_dir}",
             f"trainer.total_steps={steps}", "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0",
             "trainer.progress_bar=false", "logger.plots=false", *extra, *overrides]
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2, help="steps excluded from the means (the head is still untrained)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every set-up this many times, alternating their order; means over all runs")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {list(SETUPS)} (must include no_spec)")
     ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} with overrides {QUICK_OVERRIDES}")
@@ -93,9 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or "no_spec" not in setups:
         ap.error(f"--setups={a.setups!r}: unknown {unknown}; allowed: {list(SETUPS)}, and no_spec (the baseline "
                  "of the ratios) must be one of them")
+    if a.repeats < 1:
+        ap.error(f"--repeats={a.repeats} must be >= 1")
+    runs: dict[str, list[list[dict]]] = {name: [] for name in setups}
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
-        results = {name: summarize(run_setup(name, SETUPS[name], a.steps, Path(tmp), a.overrides), a.skip)
-                   for name in setups}
+        for rep in range(a.repeats):   # alternate the order (A B, B A, ...): drift of a busy machine cancels
+            for name in (setups if rep % 2 == 0 else setups[::-1]):
+                runs[name].append(run_setup(name, SETUPS[name], a.steps, Path(tmp) / f"rep{rep}", a.overrides))
+    results = {name: summarize([row for run in rs for row in run], a.skip) for name, rs in runs.items()}
+    per_repeat = [{name: summarize(rs[rep], a.skip) for name, rs in runs.items()} for rep in range(a.repeats)]
     base = results["no_spec"]
     header = f"{'setup':<20}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
     print(header)
@@ -115,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     headline = {"spec_setup": spec,
                 "step_ratio_spec_over_nospec": results[spec]["step"] / base["step"] if spec else None,
                 "generate_ratio_spec_over_nospec": results[spec]["generate"] / base["generate"] if spec else None}
+    if spec:   # the same ratios per repeat (each pair of runs side by side)
+        headline["repeat_ratios"] = [{"step": r[spec]["step"] / r["no_spec"]["step"],
+                                      "generate": r[spec]["generate"] / r["no_spec"]["generate"]} for r in per_repeat]
     print(f"{spec} over no_spec: step {headline['step_ratio_spec_over_nospec']}, "
-          f"generate {headline['generate_ratio_spec_over_nospec']}")
+          f"generate {headline['generate_ratio_spec_over_nospec']}"
+          + (f"; per repeat {headline['repeat_ratios']}" if a.repeats > 1 and spec else ""))
     if a.json:
         a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, **headline, "rows": rows}, indent=2))
     return 0
