@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -470,9 +469,5 @@ def install(runner: Any) -> _Hook:
 
 def dynamic_schedule(k_max: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
     """The `num_speculative_tokens_per_batch_size` that puts vLLM's scheduler in dynamic mode with every
-    batch size allowed up to k_max; the worker hook picks the actual k each step."""
+    batch size allowed up to k_max; the adaptive scheduler (adaptive_scheduler.py) picks the actual k each step."""
     return [(1, max(int(max_num_seqs), 1), int(k_max))]
-
-
-def mean_k(stats: dict[str, Any]) -> float:
-    return stats["k_sum"] / stats["steps"] if stats.get("steps") else math.nan
