@@ -193,6 +193,7 @@ def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
 def loop_config(cfg: DictConfig) -> LoopConfig:
     t, algo = cfg.trainer, cfg.algorithm
     op = algo.overlong_punishment
+    head_max_depths = head_depths_follow_engines(cfg)
     return LoopConfig(
         seed=int(t.seed), total_steps=int(t.total_steps), train_batch_size=int(t.train_batch_size),
         mini_batch_size=None if t.policy_mini_batch_size is None else int(t.policy_mini_batch_size),
@@ -205,8 +206,8 @@ def loop_config(cfg: DictConfig) -> LoopConfig:
         overlong_punishment=(bool(op.enabled), int(op.buffer_len), float(op.penalty_factor)),
         dp=int(cfg.megatron.dp), checkpoint_every_n_steps=int(t.checkpoint.every_n_steps),
         keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
-        run_dir=str(t.run_dir), head_max_depths=head_depths_follow_engines(cfg),
-        idle_head_train_every=int(t.mtp.idle_head_train_every) if head_depths_follow_engines(cfg) else 1)
+        run_dir=str(t.run_dir), head_max_depths=head_max_depths,
+        idle_head_train_every=int(t.mtp.idle_head_train_every) if head_max_depths is not None else 1)
 
 
 def head_depths_follow_engines(cfg: DictConfig) -> int | None:

@@ -76,9 +76,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         k = self.policy.choose(batch)
         out.num_spec_tokens_to_schedule = k
         spec = out.scheduled_spec_decode_tokens
-        decode_only = not out.scheduled_new_reqs and all(
+        timed = k == self._prev_k and not out.scheduled_new_reqs and all(   # steady and decode-only
             n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
-        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, decode_only and k == self._prev_k)
+        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed)
         self._prev_k = k
         return out
 

@@ -49,12 +49,9 @@ def combine_round_metrics(parts: list[dict[str, float]], summed: tuple[str, ...]
                           maxima: tuple[str, ...] = ()) -> dict[str, float]:
     """One step's metrics from its generation rounds: counts summed, maxima maxed, the rest averaged."""
     out = mean_metrics(parts)
-    for k in out:
-        vals = [p[k] for p in parts if k in p]
-        if k in summed:
-            out[k] = sum(vals)
-        elif k in maxima:
-            out[k] = max(vals)
+    for keys, reduce in ((summed, sum), (maxima, max)):
+        for k in set(keys) & set(out):
+            out[k] = reduce(p[k] for p in parts if k in p)
     return out
 
 
