@@ -75,9 +75,10 @@ class AdaptiveSpeculationScheduler(Scheduler):
             return out
         k = self.policy.choose(batch)
         out.num_spec_tokens_to_schedule = k
-        spec = out.scheduled_spec_decode_tokens
-        timed = k == self._prev_k and not out.scheduled_new_reqs and all(   # steady and decode-only
-            n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
+        # steady (same k as the step before) and decode-only: every request is scheduled 1 + its drafts
+        # tokens, never fewer (vLLM trims drafts to what it schedules), so comparing the totals suffices
+        timed = k == self._prev_k and not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch + sum(
+            len(d) for d in out.scheduled_spec_decode_tokens.values())
         self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed)
         self._prev_k = k
         return out

@@ -405,11 +405,13 @@ class _Hook:
         orig_propose = runner.propose_draft_token_ids
         orig_take = runner.take_draft_token_ids
         orig_sample_logits = runner._sample
-        propose_sig = inspect.signature(orig_propose)
+        # where vLLM passes spec_decode_metadata (check_runner checked the name), read without binding
+        # the whole call on every step
+        meta_at = tuple(inspect.signature(orig_propose).parameters).index("spec_decode_metadata") - 2
 
         def propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs):
-            bound = propose_sig.bind_partial(scheduler_output, sampled_token_ids, *args, **kwargs)
-            meta = bound.arguments.get("spec_decode_metadata")
+            meta = kwargs["spec_decode_metadata"] if "spec_decode_metadata" in kwargs else (
+                args[meta_at] if meta_at < len(args) else None)
             if meta is not None and any(meta.num_draft_tokens):
                 drafts = [int(d) for d in meta.num_draft_tokens]
                 self.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))

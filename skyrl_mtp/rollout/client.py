@@ -177,21 +177,25 @@ class EngineClient:
             self._driver_sender.shutdown()
             self._driver_sender = None
 
-    def sync_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    def sync_weights(self, named_tensors: Mapping[str, torch.Tensor],
+                     parts: list[str] | None = None) -> dict[str, float]:
         """Push weights held in this process (an HF-named dict) to every engine, main model and drafter, through
         vLLM's weight-transfer API with this process as the trainer side, then reset the prefix caches.
 
         CPU transport only (the policy's ranks send on GPU clusters). Checked before anything moves: a refused
-        update raises WeightSyncError naming the tensor and the engines keep their weights."""
+        update raises WeightSyncError naming the tensor and the engines keep their weights. `parts`: as in
+        `push_weights`."""
         t0 = time.perf_counter()
-        stats = self.push_weights(named_tensors)
+        stats = self.push_weights(named_tensors, parts)
         self.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t0
         self.last_sync_stats = stats
         return stats
 
-    def push_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """`sync_weights` without the prefix-cache reset (for a caller that orders it, e.g. StepSync)."""
+    def push_weights(self, named_tensors: Mapping[str, torch.Tensor],
+                     parts: list[str] | None = None) -> dict[str, float]:
+        """`sync_weights` without the prefix-cache reset (for a caller that orders it, e.g. StepSync);
+        `parts` (e.g. ["main"]): push only these, the engines keep the rest."""
         import ray
 
         from skyrl_mtp.rollout.weight_transfer.sources import DictWeightSource
@@ -215,7 +219,7 @@ class EngineClient:
                                      world_size=self.transfer_world_size)
             self._driver_sender = WeightSender(info, EngineActorsClient(self._actors, self.cfg.workers_per_engine),
                                                sources, self.sync_parts, self.schema, self.cfg.dtype)
-        return self._driver_sender.push(sources)
+        return self._driver_sender.push(sources, parts=parts)
 
     def reset_prefix_cache(self) -> None:
         import ray

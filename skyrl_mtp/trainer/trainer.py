@@ -84,11 +84,12 @@ class RLTrainer:
         self.log(f"resumed from {latest} (step {self.step})")
         return self.step
 
-    def sync_weights(self) -> dict[str, float]:
-        """Policy -> engines (main model and MTP drafter) through vLLM's weight-transfer API; seconds and bytes."""
+    def sync_weights(self, head_changed: bool = True) -> dict[str, float]:
+        """Policy -> engines (main model and MTP drafter) through vLLM's weight-transfer API; seconds and bytes.
+        `head_changed=False` (the step did not train the head): the drafter keeps what it has."""
         if self.weight_sync is None:
             raise RuntimeError("RLTrainer has no weight_sync (a StepSync linking the policy to the engines)")
-        return self.weight_sync.sync()
+        return self.weight_sync.sync(head_changed=head_changed)
 
     def fit(self) -> list[dict[str, float]]:
         total = self.loop.total_steps
@@ -245,7 +246,7 @@ class RLTrainer:
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
         with timer.phase("sync"):
-            metrics.update(self.sync_weights())
+            metrics.update(self.sync_weights(head_changed=head.get("train_head", True)))
         self.step += 1
         loop = self.loop
         if loop.eval_every_n_steps and (self.step % loop.eval_every_n_steps == 0 or self.step == loop.total_steps):

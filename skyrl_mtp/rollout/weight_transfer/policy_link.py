@@ -57,11 +57,11 @@ class PolicySenderMixin:
         self._weight_sender = WeightSender(info, EngineActorsClient(engine_actors, workers_per_engine), sources,
                                            parts, schema, engine_dtype, agree=_agree_over_ranks)
 
-    def push_weights_to_engines(self) -> dict[str, float]:
+    def push_weights_to_engines(self, parts: list[str] | None = None) -> dict[str, float]:
         sender = getattr(self, "_weight_sender", None)
         if sender is None:
             raise RuntimeError("init_weight_sender was not called on this policy rank")
-        return sender.push()
+        return sender.push(parts=parts)
 
 
 class PolicyEngineLink:
@@ -79,8 +79,8 @@ class PolicyEngineLink:
                                              engines.cfg.dtype)
                  for w in self.workers])
 
-    def push(self) -> dict[str, float]:
-        """One sync (main model, then drafter): every policy rank streams, rank 0 sends."""
+    def push(self, parts: list[str] | None = None) -> dict[str, float]:
+        """One sync (main model, then drafter; `parts`: only these): every policy rank streams, rank 0 sends."""
         import ray
 
-        return ray.get([w.push_weights_to_engines.remote() for w in self.workers])[0]
+        return ray.get([w.push_weights_to_engines.remote(parts) for w in self.workers])[0]

@@ -5,6 +5,10 @@ model (`start_weight_update`) then the MTP drafter (`start_draft_weight_update`)
 `WeightSource`. Every part is checked against the engines' weight schema (names, shapes, dtypes) before
 anything is sent; a refused sync raises `WeightSyncError` naming the tensor and leaves the engines on
 their previous weights. Returns per-part seconds and bytes.
+
+A push may carry only some of the parts (`parts=["main"]`): the engines keep the others as they are, e.g.
+the drafter on a step where the head did not train (vLLM's drafter shares the target's embedding and
+lm_head modules, so the main part still refreshes those for it).
 """
 
 from __future__ import annotations
@@ -41,12 +45,20 @@ class WeightSender:
         self.engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client,
                                                                 source=self.sources[self.parts[0]])
 
-    def _check(self) -> None:
+    def _parts(self, parts: list[str] | None) -> list[str]:
+        if parts is None:
+            return self.parts
+        unknown = [p for p in parts if p not in self.parts]
+        if unknown or not parts:
+            raise ValueError(f"weight-sync parts={parts!r} are invalid; allowed: a non-empty subset of {self.parts}")
+        return [p for p in self.parts if p in parts]   # the engines' order: main before the drafter
+
+    def _check(self, parts: list[str]) -> None:
         problem = None
-        metas = {part: self.sources[part].metadata() for part in self.parts}   # a collective on every rank
+        metas = {part: self.sources[part].metadata() for part in parts}   # a collective on every rank
         if self.is_sender:
             try:
-                for part in self.parts:
+                for part in parts:
                     validate_update(describe_meta(metas[part]), part_schema(self.schema, part), self.engine_dtype)
             except WeightSyncError as err:
                 problem = str(err)
@@ -54,12 +66,18 @@ class WeightSender:
         if problem:
             raise WeightSyncError(problem)
 
-    def push(self, sources: Mapping[str, WeightSource] | None = None) -> dict[str, float]:
+    def push(self, sources: Mapping[str, WeightSource] | None = None,
+             parts: list[str] | None = None) -> dict[str, float]:
+        """Push `parts` (default: all of them, main first); a part left out reports `sync/{part}_skipped` 1."""
+        todo = self._parts(parts)
         if sources is not None:
             self.sources = dict(sources)
-        self._check()
+        self._check(todo)
         stats: dict[str, float] = {}
         for part in self.parts:
+            stats[f"sync/{part}_skipped"] = float(part not in todo)
+            stats[f"sync/{part}_seconds"] = stats[f"sync/{part}_bytes"] = 0.0
+        for part in todo:
             source = self.sources[part]
             self.engine.source = source
             self.client.part = part

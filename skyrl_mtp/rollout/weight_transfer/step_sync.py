@@ -4,6 +4,10 @@ Colocated (`trainer.placement.colocate=true`): after the rollouts the engines sl
 released) while the policy trains; then they wake their weights, receive the sync, wake their KV cache
 (vLLM's documented order for RL), and their prefix caches are reset. Not colocated: sync, then reset.
 vLLM's CPU worker makes sleep/wake no-ops; the calls are made all the same, so CPU runs the GPU sequence.
+
+A step whose update left the MTP head as it was (adaptive speculation's idle cadence) pushes the main
+model only: the engines already hold that head. Colocated engines are the exception: their sleep dropped
+every weight, so they always get the whole sync.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ class StepSync:
             self.engines.sleep(COLOCATED_SLEEP_LEVEL)
             self.asleep = True
 
-    def sync(self) -> dict[str, float]:
-        """Push the policy's weights (main model and drafter) to every engine; returns seconds and bytes per part."""
+    def sync(self, head_changed: bool = True) -> dict[str, float]:
+        """Push the policy's weights (main model and drafter) to every engine; returns seconds and bytes per part.
+        `head_changed=False`: the head is what the engines last received, so awake engines get the main part only."""
         t0 = time.perf_counter()
+        main_only = not head_changed and not self.asleep and "draft" in self.engines.sync_parts
         if self.asleep:
             self.engines.wake_up(["weights"])
-        stats = dict(self.link.push())
+        stats = dict(self.link.push(["main"]) if main_only else self.link.push())
         if self.asleep:
             self.engines.wake_up(["kv_cache"])
             self.asleep = False

@@ -189,6 +189,29 @@ def test_synced_weights_equal_a_fresh_engine_bit_for_bit(engine_pool, refs, rand
     assert k3.weight_digests()[0] == fresh_random
 
 
+def test_a_main_only_push_keeps_the_drafters_head_and_refreshes_what_it_shares(engine_pool, refs, random_ckpt,
+                                                                              oracle_ckpt):
+    # What a trainer step that left the head untrained pushes: the main part only. k3 holds the random
+    # checkpoint, k1 the oracle one; they differ in the trunk and in the MTP layers' weight matrices.
+    k3, k1 = engine_pool.get("k3", "k1")
+    fresh_random, oracle = k3.weight_digests()[0], k1.weight_digests()[0]
+    head = [n for n in fresh_random if "mtp_layers" in n]
+    assert head and any(fresh_random[n] != oracle[n] for n in head)
+    stats = k3.sync_weights(_weights(oracle_ckpt), parts=["main"])
+    assert stats["sync/draft_skipped"] == 1.0 and stats["sync/draft_bytes"] == 0.0 and stats["sync/main_bytes"] > 0
+    mixed = k3.weight_digests()[0]
+    assert {n: mixed[n] for n in head} == {n: fresh_random[n] for n in head}, "the drafter's own layers moved"
+    rest = sorted(set(mixed) - set(head))
+    assert any(n.startswith("draft.") for n in rest), "the drafter's shared embedding/lm_head are not listed"
+    assert {n: mixed[n] for n in rest} == {n: oracle[n] for n in rest}, \
+        sorted(n for n in rest if mixed[n] != oracle[n])
+    _assert_same(k3.generate_sync(PROMPTS, GREEDY), refs["oracle"], "the main part decides the tokens")
+    with pytest.raises(ValueError, match=r"parts=\['head'\] are invalid; allowed: a non-empty subset of \['main', 'draft'\]"):
+        k3.sync_weights(_weights(oracle_ckpt), parts=["head"])
+    k3.sync_weights(_weights(random_ckpt))                # back to what the later tests expect
+    assert k3.weight_digests()[0] == fresh_random
+
+
 def test_workers_refuse_a_bad_push_before_loading_anything(engine_pool, refs, oracle_ckpt):
     # Past the sender's own check: the trainer-side transfer engine is driven directly with a bad source;
     # vLLM's workers (skyrl_cpu engine) check the declared update, all ranks agree, nothing is loaded.

@@ -8,8 +8,8 @@ from skyrl_mtp.rollout.weight_transfer.step_sync import StepSync
 
 
 class FakeEngines:
-    def __init__(self, calls):
-        self.calls = calls
+    def __init__(self, calls, sync_parts=("main", "draft")):
+        self.calls, self.sync_parts = calls, list(sync_parts)
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -25,8 +25,8 @@ class FakeLink:
     def __init__(self, calls):
         self.calls = calls
 
-    def push(self):
-        self.calls.append(("push",))
+    def push(self, parts=None):
+        self.calls.append(("push",) if parts is None else ("push", tuple(parts)))
         return {"sync/main_seconds": 0.5, "sync/main_bytes": 100.0, "sync/draft_seconds": 0.25, "sync/draft_bytes": 20.0}
 
 
@@ -56,6 +56,29 @@ def test_separate_pools_never_sleep():
 def test_awake_engines_are_not_woken():
     calls, _ = _step(True, sync_twice=True)
     assert calls[-2:] == [("push",), ("reset_prefix_cache",)]
+
+
+def test_unchanged_head_is_not_pushed_to_awake_engines():
+    calls: list = []
+    step = StepSync(FakeLink(calls), FakeEngines(calls), colocate=False)
+    step.sync(head_changed=False)
+    step.sync(head_changed=True)
+    assert calls == [("push", ("main",)), ("reset_prefix_cache",), ("push",), ("reset_prefix_cache",)]
+
+
+def test_colocated_engines_that_slept_get_the_whole_sync_even_for_an_unchanged_head():
+    calls: list = []
+    step = StepSync(FakeLink(calls), FakeEngines(calls), colocate=True)
+    step.release_engines()
+    step.sync(head_changed=False)        # level-2 sleep dropped the drafter's weights too
+    step.sync(head_changed=False)        # awake now (e.g. a resume sync): the head they hold is current
+    assert [c for c in calls if c[0] == "push"] == [("push",), ("push", ("main",))]
+
+
+def test_engines_without_a_drafter_always_get_the_plain_push():
+    calls: list = []
+    StepSync(FakeLink(calls), FakeEngines(calls, sync_parts=["main"]), colocate=False).sync(head_changed=False)
+    assert calls == [("push",), ("reset_prefix_cache",)]
 
 
 def test_colocated_engine_sees_its_policy_ranks_gpus():

@@ -3,7 +3,8 @@
 Covered: the dynamic-sampling fallback when no group has reward spread, truncation of the kept groups to
 a multiple of megatron.dp, mini-batch slicing (one policy update per trainer.policy_mini_batch_size
 prompts), the stop at a non-finite loss or grad norm (named, before the sync and the checkpoint, the last
-checkpoint left as it was), and resume bookkeeping (step, data position and metrics after a restart).
+checkpoint left as it was), resume bookkeeping (step, data position and metrics after a restart), and under
+auto k the head's depths and idle cadence and the syncs that leave an untrained head out.
 """
 
 from __future__ import annotations
@@ -25,15 +26,24 @@ from skyrl_mtp.trainer.trainer import RLTrainer
 
 
 class FakeWindow:
+    """`k_shares`: the engines' per-step k histogram a rollout reports (auto k)."""
+
+    def __init__(self, k_shares=()):
+        self.k_shares = list(k_shares)
+
     def start(self, label): self.label = label
     def pause(self): pass
     def resume(self): pass
-    def stop(self): return {f"rollout/{self.label}/draft_acceptance_rate": 0.5}
+
+    def stop(self):
+        return {f"rollout/{self.label}/draft_acceptance_rate": 0.5,
+                **{f"rollout/{self.label}/speculation_k_share_{k}": s for k, s in enumerate(self.k_shares)}}
 
 
 class FakeEngines:
     def __init__(self):
         self.metrics, self.synced, self.last_sync_seconds, self.actors = FakeWindow(), 0, 0.01, []
+        self.head_changed: list[bool] = []
 
 
 
@@ -43,8 +53,9 @@ class FakeSync:
     def __init__(self, engines):
         self.engines = engines
 
-    def sync(self):
+    def sync(self, head_changed=True):
         self.engines.synced += 1
+        self.engines.head_changed.append(head_changed)
         return {}
 
 
@@ -53,12 +64,14 @@ class FakePolicy:
 
     def __init__(self, losses=()):
         self.losses, self.updates, self.saved, self.loaded = list(losses), [], [], []
+        self.head_args: list[dict] = []
 
     def compute_logprobs(self, batch):
         return torch.zeros(batch["input_ids"].shape)
 
-    def train_step(self, batch, policy_loss, policy_loss_kwargs):
+    def train_step(self, batch, policy_loss, policy_loss_kwargs, **head):
         self.updates.append(int(batch["input_ids"].shape[0]))
+        self.head_args.append(head)
         loss = self.losses.pop(0) if self.losses else 0.5
         return {"policy/loss": loss, "policy/grad_norm": 1.0, "mtp/loss": 2.0}
 
@@ -211,3 +224,26 @@ def test_resume_never_starts_fresh(tmp_path):
     r = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
                  "trainer.resume=never")
     assert r.resume_if_possible() == 0 and r.step == 0 and r.policy.loaded == []
+
+
+@pytest.mark.parametrize("shares,trained,depths", [
+    ((0.95, 0.05, 0.0, 0.0), [False, False, True, False, False, True], 1),   # idle: every 3rd step, depth 1
+    ((0.5, 0.0, 0.5, 0.0), [True] * 6, 3),                                 # drafting k=2: every step, 1 deeper
+])
+def test_auto_k_trains_the_head_on_the_depths_and_steps_the_engines_need(tmp_path, shares, trained, depths):
+    t = _trainer(tmp_path, "trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.idle_head_train_every=3",
+                 "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null")
+    t.engines.metrics = FakeWindow(shares)
+    rows = [t.train_step() for _ in range(6)]
+    assert [a["train_head"] for a in t.policy.head_args] == trained
+    assert {a["head_depths"] for a in t.policy.head_args} == {depths}
+    assert [r["train/head_trained"] for r in rows] == [float(x) for x in trained]
+    assert t.engines.head_changed == trained     # a step that left the head as it was does not push it
+
+
+def test_fixed_k_trains_and_pushes_the_head_every_step(tmp_path):
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null")
+    t.engines.metrics = FakeWindow((0.95, 0.05, 0.0))
+    for _ in range(3):
+        t.train_step()
+    assert t.policy.head_args == [{}] * 3 and t.engines.head_changed == [True] * 3
