@@ -65,7 +65,7 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     out = {p: sum(r.get(f"timing/{p}_s", 0.0) for r in rows) / len(rows) for p in PHASES}
     out["acceptance"] = sum(r.get("rollout/train/draft_acceptance_rate", 0.0) for r in rows) / len(rows)
     out["tokens_per_s"] = sum(r.get("rollout/train/tokens_per_s", 0.0) for r in rows) / len(rows)
-    out["reward"] = sum(r.get("reward/mean", 0.0) for r in rows) / len(rows)
+    out["reward_mean"] = sum(r.get("reward/mean", 0.0) for r in rows) / len(rows)   # "reward" is the phase's time
     ks = [r["rollout/train/speculation_k_mean"] for r in rows if "rollout/train/speculation_k_mean" in r]
     out["k_mean"] = sum(ks) / len(ks) if ks else None   # auto only: mean drafts chosen per engine step
     depths = [r["train/head_depths"] for r in rows if "train/head_depths" in r]
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<20}" + "".join(f"{r[p]:>16.3f}" for p in PHASES)
               + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{gen_ratio:>13.2f}{step_ratio:>14.2f}")
         rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
-                     "tokens_per_s": r["tokens_per_s"], "reward": r["reward"],
+                     "tokens_per_s": r["tokens_per_s"], "reward": r["reward_mean"],
                      "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio,
                      "k_mean": r["k_mean"], "head_depths": r["head_depths"],
                      "head_trained_share": r["head_trained_share"]})
