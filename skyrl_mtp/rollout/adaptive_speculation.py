@@ -202,15 +202,17 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int) -> tupl
 class SpeculationPolicy:
     """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel).
 
-    Calibration: the first steps cycle k over k_max..0, two steps each (`warmup_cycles` times). Later, the
-    first time a batch bucket is met, one more cycle times it there if drafting may pay: the live
+    Calibration: the first steps cycle k over k_max..0, two steps each (`warmup_cycles` times). Later, when
+    a batch bucket not yet calibrated is met, one more cycle times it there if drafting may pay (the live
     acceptance can gain `min_gain` tokens per step and the model fitted so far puts the best k > 0 within
-    `calibrate_within` of k = 0 in tokens per second (an untrained head, or drafts that cost several plain
-    steps: nothing to calibrate for; the probes keep watching).
+    `calibrate_within` of k = 0 in tokens per second; an untrained head, or drafts that cost several plain
+    steps: nothing to calibrate for; the probes keep watching) and the cycle fits the exploration budget
+    (below).
 
-    Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing),
-    and only when their predicted extra time is within `explore_budget` of the engine time predicted since
-    the last one: where a draft step costs many plain steps, exploring stays a small share of the time."""
+    Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
+    Probes and bucket calibrations share one budget: each runs only when its predicted extra time is within
+    `explore_budget` of the engine time predicted since the last one, so where a draft step costs many
+    plain steps, exploring stays a small share of the time."""
 
     k_max: int
     warmup_cycles: int = 3
@@ -259,9 +261,10 @@ class SpeculationPolicy:
         if self.steps == 1:
             self._cycled.add(b)
             self._queue = self._cycle() * self.warmup_cycles
-        if not self._queue and b not in self._cycled and self._may_pay(batch):
+        if not self._queue and b not in self._cycled and self._may_pay(batch) and self._affordable(batch):
             self._cycled.add(b)
             self._queue = self._cycle()
+            self._spent_at_probe = self._spent
         if self._queue:
             k = self._queue.pop(0)
         else:
@@ -287,6 +290,20 @@ class SpeculationPolicy:
             return True
         _, rates = best_k(alphas, self.cost, max(batch, 1), self.k_max)
         return max(rates[1:]) >= (1.0 - self.calibrate_within) * rates[0]
+
+    def _affordable(self, batch: int) -> bool:
+        """A bucket's calibration cycle draws on the probes' exploration budget: its predicted extra time
+        over the best k's must fit within `explore_budget` of the engine time predicted since the last
+        exploration. Where the deepest k is already the best the cycle costs nothing extra and runs at
+        once; where drafting only might pay, it waits, so calibrating the buckets a rollout's tail passes
+        through (64, 32, ..., 1 sequences left) is spread over the run instead of front-loaded."""
+        if not self.timing_valid:
+            return True
+        b = max(batch, 1)
+        best, _ = best_k(self.acceptance.rates(), self.cost, b, self.k_max)
+        base = self.cost.step_seconds(b, best)
+        extra = sum(max(self.cost.step_seconds(b, k) - base, 0.0) for k in self._cycle())
+        return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _probe_step(self, best: int, batch: int) -> int:
         """Probes back off while they change nothing (the interval doubles up to `probe_every_max` and

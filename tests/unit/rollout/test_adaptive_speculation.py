@@ -176,6 +176,22 @@ def test_a_new_bucket_is_not_calibrated_where_drafts_cost_too_much():
     assert pol.stats()["calibrated_buckets"] == [3]
 
 
+def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_drafting_only_might_pay():
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0, explore_budget=0.02)
+    [pol.choose(4) for _ in range(6)]
+    # a draft step costs 30% of a plain one, and a weak head: k = 0 is best, k = 1 within 25% of it
+    pol.cost = _cost(t0=0.010, t1=0.0, d0=0.00305, d1=0.0, e0=0.00305, e1=0.0)
+    pol.acceptance.observe([2] * 400, [0] * 300 + [1] * 100)
+    assert pol._may_pay(64) and best_k(pol.acceptance.rates(), pol.cost, 64, 2)[0] == 0
+    ks = [pol.choose(64) for _ in range(120)]
+    # the cycle's extra time (2 steps at k=2, 2 at k=1: ~0.0183 s) fits 2% of the engine time after
+    # ~92 plain 0.010 s steps; only then is the bucket timed at every k, once
+    start = ks.index(2)
+    assert 85 <= start <= 100, start
+    assert ks[start:start + 6] == [2, 2, 1, 1, 0, 0] and not any(ks[:start]) and not any(ks[start + 6:])
+    assert pol.stats()["calibrated_buckets"] == [3, 7]
+
+
 def test_accepted_counts_from_padded_tensor_and_lists():
     import torch
 
