@@ -305,7 +305,7 @@ def test_idle_head_cadence_reaches_the_loop_only_when_the_depths_follow_the_engi
     from skyrl_mtp.config.loader import load_config
 
     auto = loop_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto"]))
-    assert auto.head_max_depths == 3 and auto.idle_head_train_every == 4
+    assert auto.head_max_depths == 3 and auto.idle_head_train_every == 8
     fixed_depths = loop_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto",
                                             "trainer.mtp.train_depths=2"]))
     assert fixed_depths.head_max_depths is None and fixed_depths.idle_head_train_every == 1
