@@ -261,7 +261,7 @@ class SpeculationPolicy:
         if self.steps == 1:
             self._cycled.add(b)
             self._queue = self._cycle() * self.warmup_cycles
-        if not self._queue and b not in self._cycled and self._may_pay(batch) and self._affordable(batch):
+        if not self._queue and b not in self._cycled and self._calibration_due(batch):
             self._cycled.add(b)
             self._queue = self._cycle()
             self._spent_at_probe = self._spent
@@ -282,25 +282,23 @@ class SpeculationPolicy:
         self.histogram[k] += 1
         return k
 
-    def _may_pay(self, batch: int) -> bool:
+    def _calibration_due(self, batch: int) -> bool:
+        """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
+        `min_gain` tokens per step, and the fit so far puts the best k > 0 within `calibrate_within` of
+        k = 0) and the cycle fits the probes' exploration budget: its predicted extra time over the best
+        k's within `explore_budget` of the engine time predicted since the last exploration. Where the
+        deepest k is already the best the cycle costs nothing extra and runs at once; where drafting only
+        might pay, it waits, so calibrating the buckets a rollout's tail passes through (64, 32, ..., 1
+        sequences left) is spread over the run instead of front-loaded."""
         alphas = self.acceptance.rates()
         if expected_tokens(alphas, self.k_max) < 1.0 + self.min_gain:
             return False
         if not self.timing_valid:
             return True
-        _, rates = best_k(alphas, self.cost, max(batch, 1), self.k_max)
-        return max(rates[1:]) >= (1.0 - self.calibrate_within) * rates[0]
-
-    def _affordable(self, batch: int) -> bool:
-        """A bucket's calibration cycle draws on the probes' exploration budget: its predicted extra time
-        over the best k's must fit within `explore_budget` of the engine time predicted since the last
-        exploration. Where the deepest k is already the best the cycle costs nothing extra and runs at
-        once; where drafting only might pay, it waits, so calibrating the buckets a rollout's tail passes
-        through (64, 32, ..., 1 sequences left) is spread over the run instead of front-loaded."""
-        if not self.timing_valid:
-            return True
         b = max(batch, 1)
-        best, _ = best_k(self.acceptance.rates(), self.cost, b, self.k_max)
+        best, rates = best_k(alphas, self.cost, b, self.k_max)
+        if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
+            return False
         base = self.cost.step_seconds(b, best)
         extra = sum(max(self.cost.step_seconds(b, k) - base, 0.0) for k in self._cycle())
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
