@@ -10,13 +10,16 @@ chosen per engine step to maximise expected tokens per second, from
   counts only requests whose drafts 1..i-1 were all accepted), with decay so it follows the head as it
   improves, and
 - a cost model fitted online on the running engine: whole-step time as a linear function of the tokens
-  verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k.
+  verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k,
+  with the uncertainty of its predictions: a batch bucket leaves the k it runs at only when the other k
+  wins by more than one standard error of their cost difference, so a few slow steps on a busy machine,
+  or a fit extrapolated to a batch it has not timed, do not start drafting where it does not pay.
 
 Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of
 each new batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing
-off while probes change nothing) tries a neighbour of the best k (one deeper, then one shallower), so the
-next position's acceptance and the cost of a shallower setting stay measured as the head and the batch
-change. At k = 0 the drafter does not run; its KV cache then has holes at the positions of those steps,
+off while probes change nothing) runs a neighbour of the best k (one deeper, then one shallower) for two
+steps, so the next position's acceptance and the cost of both neighbours stay measured as the head and the
+batch change. At k = 0 the drafter does not run; its KV cache then has holes at the positions of those steps,
 which may lower later acceptance but never changes the emitted tokens (the target verifies every draft),
 and the measured acceptance sees that effect.
 
@@ -34,8 +37,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -99,47 +105,82 @@ class AcceptanceEstimate:
 
 
 class OnlineLinearFit:
-    """Exponentially weighted least squares y ~ w . x, solved on demand (small ridge for stability)."""
+    """Exponentially weighted least squares y ~ w . x, solved on demand (small ridge for stability), with the
+    uncertainty of its predictions: the residual variance (weighted residual sum of squares over the
+    weight beyond the `dim` fitted parameters) times d' A^-1 d, A the weighted Gram matrix."""
 
     def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4):
         self.dim, self.decay, self.ridge = dim, decay, ridge
-        self.xtx = [[0.0] * dim for _ in range(dim)]
-        self.xty = [0.0] * dim
+        self.xtx = np.zeros((dim, dim))
+        self.xty = np.zeros(dim)
+        self.yty = 0.0
+        self.weight = 0.0      # decayed number of samples
         self.count = 0
-        self._weights: list[float] | None = None   # solved once per added sample (choose() runs every step)
+        self._solved: _Solution | None = None   # once per added sample (choose() runs every engine step)
 
     def add(self, x: list[float], y: float) -> None:
-        for i in range(self.dim):
-            self.xty[i] = self.xty[i] * self.decay + x[i] * y
-            for j in range(self.dim):
-                self.xtx[i][j] = self.xtx[i][j] * self.decay + x[i] * x[j]
+        v = np.asarray(x, dtype=np.float64)
+        self.xtx *= self.decay
+        self.xtx += np.outer(v, v)
+        self.xty *= self.decay
+        self.xty += v * y
+        self.yty = self.yty * self.decay + y * y
+        self.weight = self.weight * self.decay + 1.0
         self.count += 1
-        self._weights = None
+        self._solved = None
+
+    def _solution(self) -> _Solution:
+        if self._solved is None:
+            self._solved = self._solve()
+        return self._solved
+
+    def _solve(self) -> _Solution:
+        """Solved over the features some sample has used (the others get weight 0 and unknown variance);
+        the ridge, relative to each diagonal entry, keeps that system positive definite."""
+        diag = np.diag(self.xtx)
+        seen = diag > 0
+        w = np.zeros(self.dim)
+        inverse = np.zeros((0, 0))
+        if seen.any():
+            idx = np.ix_(seen, seen)
+            inverse = np.linalg.inv(self.xtx[idx] + np.diag(self.ridge * diag[seen]))
+            w[seen] = inverse @ self.xty[seen]
+        variance = math.inf
+        if self.weight > self.dim:
+            rss = self.yty - 2.0 * float(w @ self.xty) + float(w @ self.xtx @ w)
+            variance = max(rss, 0.0) / (self.weight - self.dim)
+        return _Solution(w.tolist(), inverse, seen.tolist(), variance)
 
     def weights(self) -> list[float]:
-        if self._weights is None:
-            self._weights = self._solve()
-        return self._weights
-
-    def _solve(self) -> list[float]:
-        n = self.dim
-        a = [[self.xtx[i][j] + (self.ridge * max(self.xtx[i][i], 1e-12) if i == j else 0.0) for j in range(n)]
-             + [self.xty[i]] for i in range(n)]
-        for c in range(n):   # Gauss-Jordan with partial pivoting
-            p = max(range(c, n), key=lambda r: abs(a[r][c]))
-            if abs(a[p][c]) < 1e-18:
-                continue
-            a[c], a[p] = a[p], a[c]
-            piv = a[c][c]
-            a[c] = [v / piv for v in a[c]]
-            for r in range(n):
-                if r != c and a[r][c]:
-                    f = a[r][c]
-                    a[r] = [vr - f * vc for vr, vc in zip(a[r], a[c])]
-        return [a[i][n] if abs(a[i][i]) > 0.5 else 0.0 for i in range(n)]
+        return self._solution().weights
 
     def predict(self, x: list[float]) -> float:
-        return sum(w * v for w, v in zip(self.weights(), x))
+        return sum(w * v for w, v in zip(self._solution().weights, x))
+
+    def residual_variance(self) -> float:
+        """Weighted residual sum of squares over the weight left after fitting `dim` parameters; infinite
+        until more samples than parameters were seen."""
+        return self._solution().variance
+
+    def difference_sd(self, x_a: list[float], x_b: list[float]) -> float:
+        """Standard error of predict(x_a) - predict(x_b): large where the samples barely tell the two apart
+        (few of them, or noisy), infinite along a direction no sample has explored."""
+        d = [a - b for a, b in zip(x_a, x_b)]
+        if not any(d):
+            return 0.0
+        sol = self._solution()
+        if math.isinf(sol.variance) or any(di and not s for di, s in zip(d, sol.seen)):
+            return math.inf
+        ds = np.asarray([di for di, s in zip(d, sol.seen) if s])
+        return math.sqrt(max(float(ds @ sol.inverse @ ds), 0.0) * sol.variance)
+
+
+@dataclass
+class _Solution:
+    weights: list[float]
+    inverse: Any          # A^-1 over the seen features
+    seen: list[bool]
+    variance: float
 
 
 def bucket(batch: int) -> int:
@@ -178,23 +219,46 @@ class CostModel:
     def covers(self, batch: int) -> bool:
         return len(self.seen_k.get(bucket(batch), ())) == self.k_max + 1
 
+    def covered_buckets(self) -> list[int]:
+        return sorted(b for b, ks in self.seen_k.items() if len(ks) == self.k_max + 1)
+
+    def _fit(self, batch: int) -> OnlineLinearFit:
+        return self.buckets[bucket(batch)] if self.covers(batch) else self.global_fit
+
     def step_seconds(self, batch: int, k: int) -> float:
         """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
-        fit = self.buckets[bucket(batch)] if self.covers(batch) else self.global_fit
-        return max(fit.predict(step_features(batch * (1 + k), batch, k)), 1e-6)
+        return max(self._fit(batch).predict(step_features(batch * (1 + k), batch, k)), 1e-6)
+
+    def difference_sd(self, batch: int, k: int, j: int) -> float:
+        """Standard error of step_seconds(batch, k) - step_seconds(batch, j), from the same fit."""
+        return self._fit(batch).difference_sd(step_features(batch * (1 + k), batch, k),
+                                              step_features(batch * (1 + j), batch, j))
 
 
-def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int) -> tuple[int, list[float]]:
-    """argmax_k expected tokens per second per request (ties -> smaller k); also the rates per k.
+def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
+           incumbent: int = 0) -> tuple[int, list[float]]:
+    """The k with the most expected tokens per second per request (ties -> smaller k), and the predicted
+    rates per k.
 
     A step with more drafts does strictly more work, so the predicted cost is made non-decreasing in k: a
     fit from noisy timings (a loaded machine) can otherwise predict a deeper step to be cheaper and pick k
-    where the drafts buy nothing."""
-    rates, floor = [], 0.0
+    where the drafts buy nothing. And a k other than the `incumbent` (the k chosen last at this batch; k = 0,
+    no drafting, before any) must win after its cost is raised by one standard error of how much it costs
+    more than the incumbent (a shallower k: at most the incumbent's cost). A fit resting on a few timed
+    steps, one of them slow, or one that extrapolates to a batch it has not timed, is not enough evidence
+    to switch. As timings of both settings accumulate the margin shrinks, so a real gain is still taken."""
+    costs, rates, floor = [], [], 0.0
     for k in range(k_max + 1):
         floor = max(floor, cost.step_seconds(batch, k))
+        costs.append(floor)
         rates.append(expected_tokens(alphas, k) / floor)
-    best = max(range(k_max + 1), key=lambda k: (rates[k], -k))
+    judged = []
+    for k in range(k_max + 1):
+        doubt = cost.difference_sd(batch, k, incumbent) if k != incumbent else 0.0
+        # a shallower k does less work than the incumbent: it never costs more, however unsure the fit
+        dear = costs[k] + doubt if k > incumbent else min(costs[k] + doubt, costs[incumbent])
+        judged.append(expected_tokens(alphas, k) / dear)
+    best = max(range(k_max + 1), key=lambda k: (judged[k], -k))
     return best, rates
 
 
@@ -203,11 +267,15 @@ class SpeculationPolicy:
     """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel).
 
     Calibration: the first steps cycle k over k_max..0, two steps each (`warmup_cycles` times). Later, when
-    a batch bucket not yet calibrated is met, one more cycle times it there if drafting may pay (the live
+    a batch bucket not yet timed at every k is met (the warm-up's steps may fall in smaller buckets while
+    a rollout's requests are still arriving), one more cycle times it there if drafting may pay (the live
     acceptance can gain `min_gain` tokens per step and the model fitted so far puts the best k > 0 within
     `calibrate_within` of k = 0 in tokens per second; an untrained head, or drafts that cost several plain
     steps: nothing to calibrate for; the probes keep watching) and the cycle fits the exploration budget
     (below).
+
+    Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
+    beyond one standard error of the cost fit.
 
     Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
     Probes and bucket calibrations share one budget: each runs only when its predicted extra time is within
@@ -229,7 +297,8 @@ class SpeculationPolicy:
     chosen_count: int = 0
     histogram: list[int] = field(default_factory=list)
     _queue: list[int] = field(default_factory=list)
-    _cycled: set[int] = field(default_factory=set)
+    _cycled: set[int] = field(default_factory=set)           # buckets given a calibration cycle after warm-up
+    _incumbent: dict[int, int] = field(default_factory=dict)  # per bucket: the k the model chose last
     _interval: int = 0
     _next_probe_at: int = 0
     _last_best: int = -1
@@ -259,16 +328,17 @@ class SpeculationPolicy:
         self.steps += 1
         b = bucket(batch)
         if self.steps == 1:
-            self._cycled.add(b)
             self._queue = self._cycle() * self.warmup_cycles
-        if not self._queue and b not in self._cycled and self._calibration_due(batch):
+        if (not self._queue and b not in self._cycled and not self.cost.covers(batch)
+                and self._calibration_due(batch)):
             self._cycled.add(b)
             self._queue = self._cycle()
             self._spent_at_probe = self._spent
         if self._queue:
             k = self._queue.pop(0)
         else:
-            k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max)
+            k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max, self._incumbent.get(b, 0))
+            self._incumbent[b] = k
             if k != self._last_best or not self._interval:   # the choice moved: watch closely again
                 self._interval = self.probe_every
                 self._next_probe_at = min(self._next_probe_at or self.steps + self._interval,
@@ -296,7 +366,7 @@ class SpeculationPolicy:
         if not self.timing_valid:
             return True
         b = max(batch, 1)
-        best, rates = best_k(alphas, self.cost, b, self.k_max)
+        best, rates = best_k(alphas, self.cost, b, self.k_max, self._incumbent.get(bucket(b), 0))
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
         base = self.cost.step_seconds(b, best)
@@ -309,14 +379,14 @@ class SpeculationPolicy:
         `explore_budget` of the time since the last one: where drafting cannot pay they cost little, and
         a head that improves is still noticed."""
         k = self._next_probe(best, self._probe + 1)
-        held = 2 if k < best else 1     # a shallower probe measures cost: two steps, the second steady (timed)
-        extra = held * max(self.cost.step_seconds(batch, k) - self.cost.step_seconds(batch, best), 0.0)
+        # two steps, the second steady (timed): a probe measures the cost of its k as well as (deeper) the
+        # next position's acceptance, so best_k's margin for switching to it shrinks as evidence accumulates
+        extra = 2 * max(self.cost.step_seconds(batch, k) - self.cost.step_seconds(batch, best), 0.0)
         if extra > self.explore_budget * (self._spent - self._spent_at_probe):
             return best
         self._probe += 1
         self._spent_at_probe = self._spent
-        if held == 2:
-            self._queue = [k]
+        self._queue = [k]
         self._interval = min(2 * self._interval, max(self.probe_every_max, self.probe_every))
         self._next_probe_at = self.steps + self._interval
         return k
@@ -334,7 +404,7 @@ class SpeculationPolicy:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
-                "calibrated_buckets": sorted(self._cycled)}
+                "calibrated_buckets": self.cost.covered_buckets()}
 
 
 def accepted_counts(sampled_token_ids: Any, num_drafts: list[int], placeholder: int = -1) -> list[int]:

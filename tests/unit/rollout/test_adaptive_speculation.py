@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from skyrl_mtp.rollout.adaptive_speculation import (
@@ -53,6 +56,65 @@ def test_online_linear_fit_recovers_a_line_and_forgets():
     for n in range(1, 200):
         fit.add([1.0, float(n % 40 + 1)], 0.010 + 0.0002 * (n % 40 + 1))
     assert fit.weights()[0] == pytest.approx(0.010, rel=3e-2)
+
+
+def test_online_linear_fit_measures_its_noise_and_how_sure_a_difference_is():
+    rng = random.Random(0)
+    fit = OnlineLinearFit(3, decay=1.0)
+    assert math.isinf(fit.residual_variance()) and math.isinf(fit.difference_sd([1, 1, 0], [1, 0, 0]))
+    sds = []
+    for n in range(1, 2001):
+        x = [1.0, float(n % 7), float(n % 3 == 0)]
+        fit.add(x, 0.01 + 0.001 * x[1] + 0.004 * x[2] + rng.gauss(0.0, 0.0005))
+        if n in (20, 2000):
+            sds.append(fit.difference_sd([1.0, 3.0, 1.0], [1.0, 3.0, 0.0]))
+    assert math.sqrt(fit.residual_variance()) == pytest.approx(0.0005, rel=0.1)
+    # the third feature is on in a third of the samples: var(w3) ~ sigma^2 (1/n1 + 1/n0) = sigma^2 * 4.5/n
+    assert sds[1] == pytest.approx(0.0005 * math.sqrt(4.5 / 2000), rel=0.15)
+    assert sds[0] > 5 * sds[1]                                        # thin evidence: a wide margin
+    assert fit.difference_sd([1.0, 2.0, 0.0], [1.0, 2.0, 0.0]) == 0.0
+    never = OnlineLinearFit(2)
+    for n in range(10):
+        never.add([1.0, 0.0], 0.01 + 0.001 * (n % 2))
+    assert math.isinf(never.difference_sd([1.0, 1.0], [1.0, 0.0]))   # a direction no sample explored
+    assert never.predict([1.0, 1.0]) == pytest.approx(0.0105, rel=1e-3)  # the rest of the fit still predicts
+
+
+def test_one_slow_step_in_a_thin_fit_does_not_make_drafts_look_free():
+    """The steady batch's bucket, timed at every k twice by a calibration cycle, one k = 0 step of which
+    was slow (the machine was busy): the fit then predicts k = 0 dearer than drafting."""
+    def seconds(k):
+        return 0.0057 + 0.003 * (k > 0) + 0.002 * max(k - 1, 0) + 0.00002 * 64 * k
+    cost = CostModel(k_max=3)
+    for rep in range(2):
+        for k in range(3, -1, -1):
+            cost.observe(64 * (1 + k), 64, k, 0.045 if (rep, k) == (1, 0) else seconds(k))
+    weak = [0.04, 0.04, 0.04]
+    best, rates = best_k(weak, cost, 64, 3)
+    assert max(range(4), key=rates.__getitem__) > 0, rates   # on the fit alone a draft would look free
+    assert best == 0, rates                                   # not on this evidence
+    rng = random.Random(0)
+    for _ in range(50):                                       # k = 0 keeps being timed: the fit recovers
+        cost.observe(64, 64, 0, seconds(0) * rng.uniform(0.9, 1.1))
+    assert cost.step_seconds(64, 0) < 1.15 * seconds(0)
+    assert best_k(weak, cost, 64, 3)[0] == 0
+    assert best_k([0.9, 0.9, 0.9], cost, 64, 3)[0] == 2      # a good head's gain is beyond the margin
+
+
+def test_best_k_keeps_the_incumbent_until_the_evidence_is_beyond_one_standard_error():
+    rng = random.Random(1)
+    cost = CostModel(k_max=1)
+    for i in range(12):                 # k = 1 costs 10% more per step than k = 0, timed with +-20% noise
+        k = i % 2
+        cost.observe(16 * (1 + k), 16, k, 0.010 * (1 + 0.1 * k) * rng.uniform(0.8, 1.2))
+    assert cost.difference_sd(16, 1, 0) > 0.05 * cost.step_seconds(16, 0)
+    alphas = [0.12]                     # on the fit's means, k = 1 gives about 3% more tokens per second
+    _, rates = best_k(alphas, cost, 16, 1)
+    assert rates[1] > rates[0], rates
+    assert best_k(alphas, cost, 16, 1, incumbent=0)[0] == 0   # within the noise: no switch either way
+    assert best_k(alphas, cost, 16, 1, incumbent=1)[0] == 1
+    assert best_k([0.6], cost, 16, 1, incumbent=0)[0] == 1    # a clear gain switches
+    assert best_k([0.0], cost, 16, 1, incumbent=1)[0] == 0    # and so does a clear loss
 
 
 def _cost(t0, t1, d0, d1, e0, e1, batches=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
@@ -117,15 +179,16 @@ def test_policy_calibrates_then_exploits_and_probes():
     later = [pol.choose(4) for _ in range(64)]
     assert pol.timing_valid
     probed = [i for i, k in enumerate(later, start=7) if k]
-    # probes back off while they change nothing: 10 steps after the first choice, then 20, then 40
-    assert probed == [17, 37], later
+    # probes back off while they change nothing: 10 steps after the first choice, then 20, then 40; each
+    # holds its k two steps, so the second is steady (timed)
+    assert probed == [17, 18, 37, 38], later
     assert all(later[i - 7] == 1 for i in probed)  # from k = 0 the probe is one draft step (the cheapest)
     st = pol.stats()
     assert st["steps"] == 70 and st["k_sum"] == sum(first) + sum(later)
     assert sum(st["k_histogram"]) == 70
     # a new batch bucket with a useless head: nothing to calibrate for, so no drafting cycle there
     assert [pol.choose(64) for _ in range(3)] == [0, 0, 0]
-    assert pol.stats()["calibrated_buckets"] == [3]
+    assert pol.stats()["calibrated_buckets"] == [1, 2, 3, 4, 5, 6, 7]   # what the cost model was timed at
     # the head improves: the best k moves, and the probes watch closely again
     pol.acceptance = type(pol.acceptance)(k_max=2)
     pol.acceptance.observe([2] * 200, [2] * 200)
@@ -134,23 +197,26 @@ def test_policy_calibrates_then_exploits_and_probes():
     # the probe already due at step 77 runs (shallower from k = 2, held two steps so it is timed); the
     # interval restarted at 10 steps and, as that probe changed nothing, doubles to 20
     assert nxt[:4] == [2, 2, 1, 1] and [i for i, k in enumerate(nxt) if k != 2] == [2, 3, 22, 23], nxt
+    # probes do not move the incumbent: after them the model's own choice stands
+    assert pol._incumbent == {3: 2, 7: 0}
 
 
 def test_policy_calibrates_each_new_batch_bucket_while_drafting_can_pay():
     pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
     assert [pol.choose(1) for _ in range(6)] == [2, 2, 1, 1, 0, 0]
-    pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002)
+    pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002, batches=(1, 2))
     pol.acceptance.observe([2] * 50, [2] * 50)   # a good head
     assert pol.choose(1) == 2
     assert [pol.choose(16) for _ in range(6)] == [2, 2, 1, 1, 0, 0]   # batch 16 is new: one cycle timed there
-    assert [pol.choose(17) for _ in range(2)] == [2, 2]               # same bucket: the fit decides
-    assert pol.stats()["calibrated_buckets"] == [1, 5]
+    assert pol.stats()["calibrated_buckets"] == [1, 2]   # the cycle's steps were timed by the engine, not here
+    assert [pol.choose(17) for _ in range(2)] == [2, 2]               # same bucket: no second cycle
+    assert [pol.choose(2) for _ in range(2)] == [2, 2]                # a bucket timed at every k: no cycle
 
 
-def _costly_drafts() -> CostModel:
+def _costly_drafts(batches=(1, 4, 16, 64)) -> CostModel:
     """A draft step costs ten plain steps (a tiny model: per-step overheads of the drafter dominate)."""
     cost = CostModel(k_max=2)
-    for b in (1, 4, 16, 64):
+    for b in batches:
         for k in range(3):
             cost.observe(b * (1 + k), b, k, 0.010 + 0.09 * (k > 0) + 0.05 * max(k - 1, 0))
     return cost
@@ -161,26 +227,27 @@ def test_probes_wait_for_their_exploration_budget():
     [pol.choose(4) for _ in range(6)]
     pol.cost = _costly_drafts()
     pol.acceptance.observe([2] * 50, [1] * 50)   # half of the first drafts accepted: still no k > 0 pays
-    later = [pol.choose(4) for _ in range(600)]
+    later = [pol.choose(4) for _ in range(1000)]
     probed = [i for i, k in enumerate(later, start=7) if k]
-    # a probe (k = 1) costs 0.09 s more than a 0.010 s step: 2% of the time allows one per 450 steps
-    assert probed == [6 + 450], probed      # on the 450th step chosen by the model
+    # a probe (k = 1, two steps) costs 0.18 s more than two 0.010 s steps: 2% of the time allows one per
+    # 900 steps
+    assert probed == [6 + 900, 6 + 901], probed      # from the 900th step chosen by the model
 
 
 def test_a_new_bucket_is_not_calibrated_where_drafts_cost_too_much():
     pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
     [pol.choose(4) for _ in range(6)]
-    pol.cost = _costly_drafts()
+    pol.cost = _costly_drafts(batches=(1, 4, 16))
     pol.acceptance.observe([2] * 50, [2] * 50)   # a perfect head: 3 tokens per step at k = 2, for 16x the cost
     assert [pol.choose(64) for _ in range(4)] == [0, 0, 0, 0]
-    assert pol.stats()["calibrated_buckets"] == [3]
+    assert pol.stats()["calibrated_buckets"] == [1, 3, 5] and not pol._cycled
 
 
 def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_drafting_only_might_pay():
     pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0, explore_budget=0.02)
     [pol.choose(4) for _ in range(6)]
     # a draft step costs 30% of a plain one, and a weak head: k = 0 is best, k = 1 within 25% of it
-    pol.cost = _cost(t0=0.010, t1=0.0, d0=0.00305, d1=0.0, e0=0.00305, e1=0.0)
+    pol.cost = _cost(t0=0.010, t1=0.0, d0=0.00305, d1=0.0, e0=0.00305, e1=0.0, batches=(1, 2, 4, 8, 16, 32))
     pol.acceptance.observe([2] * 400, [0] * 300 + [1] * 100)
     best, rates = best_k(pol.acceptance.rates(), pol.cost, 64, 2)
     assert best == 0 and rates[1] >= 0.75 * rates[0], rates
@@ -190,7 +257,7 @@ def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_draftin
     start = ks.index(2)
     assert 85 <= start <= 100, start
     assert ks[start:start + 6] == [2, 2, 1, 1, 0, 0] and not any(ks[:start]) and not any(ks[start + 6:])
-    assert pol.stats()["calibrated_buckets"] == [3, 7]
+    assert pol._cycled == {7}
 
 
 def test_accepted_counts_from_padded_tensor_and_lists():
