@@ -76,6 +76,7 @@ class AcceptanceEstimate:
     prior_weight: float = 1.0
     attempts: list[float] = field(default_factory=list)
     accepts: list[float] = field(default_factory=list)
+    version: int = 0     # counts the observations that changed the estimate
 
     def __post_init__(self) -> None:
         self.attempts = [0.0] * self.k_max
@@ -94,6 +95,7 @@ class AcceptanceEstimate:
                 att[i] += 1.0
                 if i < a:
                     acc[i] += 1.0
+        self.version += 1
         for i in range(self.k_max):
             if att[i]:   # decay only positions that get new evidence: unprobed positions keep their estimate
                 self.attempts[i] = self.attempts[i] * self.decay + att[i]
@@ -109,14 +111,16 @@ class OnlineLinearFit:
     uncertainty of its predictions: the residual variance (weighted residual sum of squares over the
     weight beyond the `dim` fitted parameters) times d' A^-1 d, A the weighted Gram matrix."""
 
-    def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4):
-        self.dim, self.decay, self.ridge = dim, decay, ridge
+    def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4, resolve_share: float = 0.05):
+        self.dim, self.decay, self.ridge, self.resolve_share = dim, decay, ridge, resolve_share
         self.xtx = np.zeros((dim, dim))
         self.xty = np.zeros(dim)
         self.yty = 0.0
         self.weight = 0.0      # decayed number of samples
+        self.fresh = 0.0       # decayed number of samples added since the last solve
         self.count = 0
-        self._solved: _Solution | None = None   # once per added sample (choose() runs every engine step)
+        self._solved: _Solution | None = None
+        self._solve_count = 0
 
     def add(self, x: list[float], y: float) -> None:
         v = np.asarray(x, dtype=np.float64)
@@ -126,13 +130,24 @@ class OnlineLinearFit:
         self.xty += v * y
         self.yty = self.yty * self.decay + y * y
         self.weight = self.weight * self.decay + 1.0
+        self.fresh = self.fresh * self.decay + 1.0
         self.count += 1
-        self._solved = None
+        if self.fresh > self.resolve_share * self.weight:
+            # solved again once the samples added since carry `resolve_share` of the fit's weight: every
+            # sample while the fit is young, every ~10 once it is steady (the engine adds one per step)
+            self._solved = None
 
     def _solution(self) -> _Solution:
         if self._solved is None:
             self._solved = self._solve()
+            self._solve_count += 1
+            self.fresh = 0.0
         return self._solved
+
+    def solves(self) -> int:
+        """How often the fit was solved, counting a pending solve: changes whenever its predictions do."""
+        self._solution()
+        return self._solve_count
 
     def _solve(self) -> _Solution:
         """Solved over the features some sample has used (the others get weight 0 and unknown variance);
@@ -225,6 +240,11 @@ class CostModel:
     def _fit(self, batch: int) -> OnlineLinearFit:
         return self.buckets[bucket(batch)] if self.covers(batch) else self.global_fit
 
+    def state(self, batch: int) -> tuple[OnlineLinearFit, int]:
+        """Identifies the predictions for this batch: the same state, the same step_seconds / difference_sd."""
+        fit = self._fit(batch)
+        return fit, fit.solves()
+
     def step_seconds(self, batch: int, k: int) -> float:
         """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
         return max(self._fit(batch).predict(step_features(batch * (1 + k), batch, k)), 1e-6)
@@ -304,6 +324,7 @@ class SpeculationPolicy:
     _last_best: int = -1
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
+    _memo: tuple[tuple, int] | None = None
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -337,7 +358,7 @@ class SpeculationPolicy:
         if self._queue:
             k = self._queue.pop(0)
         else:
-            k, _ = best_k(self.acceptance.rates(), self.cost, max(batch, 1), self.k_max, self._incumbent.get(b, 0))
+            k = self._model_choice(max(batch, 1))
             self._incumbent[b] = k
             if k != self._last_best or not self._interval:   # the choice moved: watch closely again
                 self._interval = self.probe_every
@@ -351,6 +372,15 @@ class SpeculationPolicy:
         self.chosen_count += 1
         self.histogram[k] += 1
         return k
+
+    def _model_choice(self, batch: int) -> int:
+        """best_k, computed again only when its inputs changed (the engine asks every step; between timed
+        steps, acceptance updates and re-solves of the fit, it gets the same answer)."""
+        b = bucket(batch)
+        key = (batch, self._incumbent.get(b, 0), self.cost.state(batch), self.acceptance, self.acceptance.version)
+        if self._memo is None or self._memo[0] != key:
+            self._memo = (key, best_k(self.acceptance.rates(), self.cost, batch, self.k_max, key[1])[0])
+        return self._memo[1]
 
     def _calibration_due(self, batch: int) -> bool:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain

@@ -117,6 +117,37 @@ def test_best_k_keeps_the_incumbent_until_the_evidence_is_beyond_one_standard_er
     assert best_k([0.0], cost, 16, 1, incumbent=1)[0] == 0    # and so does a clear loss
 
 
+def test_a_steady_fit_is_solved_again_only_after_its_new_samples_carry_five_percent_of_its_weight():
+    fit, eager = OnlineLinearFit(2), OnlineLinearFit(2, resolve_share=0.0)
+    for n in range(1, 21):                  # young fit (weight < 20): solved again after every sample
+        fit.add([1.0, float(n % 5)], 0.004 + 0.001 * (n % 5))
+        assert fit.solves() == n
+    for n in range(2000):                   # weight ~200: about every 10 samples
+        for f in (fit, eager):
+            f.add([1.0, float(n % 5)], 0.004 + 0.001 * (n % 5))
+            f.solves()
+    before, lag = fit.solves(), 0.0
+    for n in range(100):
+        for f in (fit, eager):
+            f.add([1.0, float(n % 5)], 0.008 + 0.001 * (n % 5))   # the step got slower
+        lag = max(lag, eager.predict([1.0, 0.0]) - fit.predict([1.0, 0.0]))
+    assert 8 <= fit.solves() - before <= 12
+    assert eager.predict([1.0, 0.0]) > 0.0055 and 0 < lag < 0.0003   # it follows, at most ~10 samples behind
+
+
+def test_the_policy_recomputes_its_choice_when_acceptance_or_the_fit_changes():
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
+    [pol.choose(4) for _ in range(6)]
+    pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002)
+    pol.acceptance.observe([2] * 50, [0] * 50)
+    assert [pol.choose(4) for _ in range(3)] == [0, 0, 0]
+    pol.acceptance.observe([2] * 400, [2] * 400)        # the head got good: the next step sees it
+    assert pol.choose(4) == 2
+    pol.acceptance = AcceptanceEstimate(k_max=2)        # a fresh estimate (version 0 again) is not mistaken
+    pol.acceptance.observe([2] * 50, [0] * 50)          # for the old one
+    assert pol.choose(4) == 0
+
+
 def _cost(t0, t1, d0, d1, e0, e1, batches=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
     """Whole-step timings: verify n tokens, then (k > 0) a first draft pass and k - 1 more draft steps."""
     cost = CostModel(k_max=3)
