@@ -282,6 +282,14 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
     return best, rates
 
 
+def regret_seconds(alphas: list[float], cost: CostModel, batch: int, k: int, best: int) -> float:
+    """What one step at k instead of `best` costs in engine time: its predicted time minus the time the best
+    k needs for the tokens it is expected to emit (never negative). A shallower step is cheaper but emits
+    fewer tokens, so exploring it is not free; a deeper step whose drafts are accepted pays for itself."""
+    per_token = cost.step_seconds(batch, best) / expected_tokens(alphas, best)
+    return max(cost.step_seconds(batch, k) - per_token * expected_tokens(alphas, k), 0.0)
+
+
 @dataclass
 class SpeculationPolicy:
     """Chooses k per engine step (closed loop over AcceptanceEstimate and CostModel).
@@ -298,9 +306,10 @@ class SpeculationPolicy:
     beyond one standard error of the cost fit.
 
     Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
-    Probes and bucket calibrations share one budget: each runs only when its predicted extra time is within
-    `explore_budget` of the engine time predicted since the last one, so where a draft step costs many
-    plain steps, exploring stays a small share of the time."""
+    Probes and bucket calibrations share one budget: each runs only when its predicted regret (regret_seconds:
+    the engine time its steps take beyond what the best k needs for the same expected tokens) is within
+    `explore_budget` of the engine time predicted since the last one. So exploring stays a small share of the
+    time both where a draft step costs many plain steps and where a shallower step gives up accepted drafts."""
 
     k_max: int
     warmup_cycles: int = 3
@@ -385,11 +394,11 @@ class SpeculationPolicy:
     def _calibration_due(self, batch: int) -> bool:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
         `min_gain` tokens per step, and the fit so far puts the best k > 0 within `calibrate_within` of
-        k = 0) and the cycle fits the probes' exploration budget: its predicted extra time over the best
-        k's within `explore_budget` of the engine time predicted since the last exploration. Where the
-        deepest k is already the best the cycle costs nothing extra and runs at once; where drafting only
-        might pay, it waits, so calibrating the buckets a rollout's tail passes through (64, 32, ..., 1
-        sequences left) is spread over the run instead of front-loaded."""
+        k = 0) and the cycle fits the probes' exploration budget: its predicted regret against the best k
+        within `explore_budget` of the engine time predicted since the last exploration. Steps the cycle
+        spends at the best k, or deeper with drafts that pay for themselves, cost nothing; the rest makes it
+        wait, so calibrating the buckets a rollout's tail passes through (64, 32, ..., 1 sequences left) is
+        spread over the run instead of front-loaded."""
         alphas = self.acceptance.rates()
         if expected_tokens(alphas, self.k_max) < 1.0 + self.min_gain:
             return False
@@ -399,19 +408,18 @@ class SpeculationPolicy:
         best, rates = best_k(alphas, self.cost, b, self.k_max, self._incumbent.get(bucket(b), 0))
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
-        base = self.cost.step_seconds(b, best)
-        extra = sum(max(self.cost.step_seconds(b, k) - base, 0.0) for k in self._cycle())
+        extra = sum(regret_seconds(alphas, self.cost, b, k, best) for k in self._cycle())
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _probe_step(self, best: int, batch: int) -> int:
         """Probes back off while they change nothing (the interval doubles up to `probe_every_max` and
-        returns to `probe_every` when the best k moves), and wait while their predicted extra time exceeds
-        `explore_budget` of the time since the last one: where drafting cannot pay they cost little, and
-        a head that improves is still noticed."""
+        returns to `probe_every` when the best k moves), and wait while their predicted regret exceeds
+        `explore_budget` of the time since the last one: they stay a small share of the time whichever way
+        they move from the best k, and a head that improves is still noticed."""
         k = self._next_probe(best, self._probe + 1)
         # two steps, the second steady (timed): a probe measures the cost of its k as well as (deeper) the
         # next position's acceptance, so best_k's margin for switching to it shrinks as evidence accumulates
-        extra = 2 * max(self.cost.step_seconds(batch, k) - self.cost.step_seconds(batch, best), 0.0)
+        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
         if extra > self.explore_budget * (self._spent - self._spent_at_probe):
             return best
         self._probe += 1

@@ -18,6 +18,7 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     dynamic_schedule,
     expected_tokens,
     install,
+    regret_seconds,
 )
 
 
@@ -238,7 +239,11 @@ def test_policy_calibrates_each_new_batch_bucket_while_drafting_can_pay():
     pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002, batches=(1, 2))
     pol.acceptance.observe([2] * 50, [2] * 50)   # a good head
     assert pol.choose(1) == 2
-    assert [pol.choose(16) for _ in range(6)] == [2, 2, 1, 1, 0, 0]   # batch 16 is new: one cycle timed there
+    # batch 16 is new: one cycle times it there. Its steps at k = 1 and 0 give up accepted drafts (regret
+    # 2 x (0.0014 + 0.0030) s against k = 2's 0.0198 s per token), so it waits until that is 2% of the
+    # time spent since: 8 steps of 0.0588 s
+    ks = [pol.choose(16) for _ in range(16)]
+    assert ks == [2] * 8 + [2, 2, 1, 1, 0, 0] + [2, 2], ks
     assert pol.stats()["calibrated_buckets"] == [1, 2]   # the cycle's steps were timed by the engine, not here
     assert [pol.choose(17) for _ in range(2)] == [2, 2]               # same bucket: no second cycle
     assert [pol.choose(2) for _ in range(2)] == [2, 2]                # a bucket timed at every k: no cycle
@@ -257,12 +262,35 @@ def test_probes_wait_for_their_exploration_budget():
     pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=0.02)
     [pol.choose(4) for _ in range(6)]
     pol.cost = _costly_drafts()
-    pol.acceptance.observe([2] * 50, [1] * 50)   # half of the first drafts accepted: still no k > 0 pays
+    pol.acceptance.observe([2] * 50, [1] * 50)   # the first draft accepted, the second not: still no k > 0 pays
     later = [pol.choose(4) for _ in range(1000)]
     probed = [i for i, k in enumerate(later, start=7) if k]
-    # a probe (k = 1, two steps) costs 0.18 s more than two 0.010 s steps: 2% of the time allows one per
-    # 900 steps
-    assert probed == [6 + 900, 6 + 901], probed      # from the 900th step chosen by the model
+    # a probe (k = 1, two steps of 0.100 s) emits 1.99 tokens per step, which k = 0 gives in 0.0199 s:
+    # 2 x 0.0801 s of regret, so 2% of the time allows one per 801 steps
+    assert probed == [6 + 801, 6 + 802], probed      # from the 801st step chosen by the model
+
+
+def test_regret_counts_the_tokens_a_step_gives_up_as_well_as_its_time():
+    cost = _cost(t0=0.010, t1=0.0, d0=0.002, d1=0.0, e0=0.002, e1=0.0)   # 0.010 s + 0.002 s per draft step
+    perfect, useless = [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]
+    # from k = 2 with every draft accepted (3 tokens per 0.014 s): a shallower step is cheaper, yet loses
+    assert regret_seconds(perfect, cost, 4, 1, 2) == pytest.approx(0.012 - 0.014 * 2 / 3, rel=1e-2)
+    assert regret_seconds(perfect, cost, 4, 0, 2) == pytest.approx(0.010 - 0.014 / 3, rel=1e-2)
+    assert regret_seconds(perfect, cost, 4, 2, 2) == 0.0
+    assert regret_seconds(perfect, cost, 4, 3, 0) == 0.0    # accepted drafts pay for the time they take
+    assert regret_seconds(useless, cost, 4, 3, 0) == pytest.approx(0.016 - 0.010, rel=1e-2)   # their time
+
+
+def test_a_shallower_probe_is_not_free_where_the_deepest_k_pays():
+    pol = SpeculationPolicy(k_max=3, warmup_cycles=1, probe_every=4, explore_budget=0.02)
+    [pol.choose(1) for _ in range(8)]
+    pol.cost = _cost(t0=0.010, t1=0.0, d0=0.002, d1=0.0, e0=0.002, e1=0.0)
+    pol.acceptance.observe([3] * 200, [3] * 200)
+    ks = [pol.choose(1) for _ in range(200)]
+    # k = 3 emits ~4 tokens per 0.016 s; a probe at k = 2 emits ~3 in 0.014 s, which k = 3 gives in
+    # 0.012 s: 2 x 0.0020 s of regret, 2% of the time after 12.5 steps (probe_every alone: after 4)
+    probed = [i for i, k in enumerate(ks) if k != 3]
+    assert probed[:2] == [12, 13] and all(ks[i] == 2 for i in probed[:2]), ks
 
 
 def test_a_new_bucket_is_not_calibrated_where_drafts_cost_too_much():
@@ -283,10 +311,11 @@ def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_draftin
     best, rates = best_k(pol.acceptance.rates(), pol.cost, 64, 2)
     assert best == 0 and rates[1] >= 0.75 * rates[0], rates
     ks = [pol.choose(64) for _ in range(120)]
-    # the cycle's extra time (2 steps at k=2, 2 at k=1: ~0.0183 s) fits 2% of the engine time after
-    # ~92 plain 0.010 s steps; only then is the bucket timed at every k, once
+    # the cycle's regret (2 steps at k=2, 2 at k=1, each beyond what k = 0 needs for their tokens:
+    # ~0.0083 s) fits 2% of the engine time after ~41 plain 0.010 s steps; only then is the bucket timed
+    # at every k, once
     start = ks.index(2)
-    assert 85 <= start <= 100, start
+    assert 38 <= start <= 46, start
     assert ks[start:start + 6] == [2, 2, 1, 1, 0, 0] and not any(ks[:start]) and not any(ks[start + 6:])
     assert pol._cycled == {7}
 
