@@ -8,7 +8,8 @@ against no speculative decoding, on a model big enough that CPU decoding is not 
 One fresh engine per (k, head), measured at every batch size in turn (--batches; the engine's
 max_num_seqs is the largest). k = "auto" is adaptive speculation (rollout/adaptive_speculation.py: k per
 engine step from the running batch, live acceptance and on-engine timings, up to --auto-max); its row
-carries the mean k it chose (`k_mean`). Every row also says whether its tokens equal its head's no-spec
+carries the mean k it chose (`k_mean`), measured once the engine's first calibration cycles are done (an
+RL run pays them once per engine: the warm-up repeats until they are). Every row also says whether its tokens equal its head's no-spec
 engine's (`identical_to_no_spec`, greedy: must be true). Generation ignores EOS so every configuration
 emits the same number of tokens. `speedup_vs_no_spec` divides by the median no-spec tokens/s of the
 heads at that batch (`no_spec_tokens_per_s`: the heads' engines do the same work).
@@ -65,9 +66,17 @@ def measure(llm, prompts, params, reps: int, adaptive: bool = False) -> dict[str
     def adaptive_stats():
         return llm.collective_rpc("skyrl_adaptive_speculation_stats")[0] if adaptive else None
 
-    # warm up at the measured batch: its kernel shapes, and (auto) the calibration for its batch bucket,
-    # which an RL run pays once per engine, not per rollout
+    # warm up at the measured batch: its kernel shapes, and (auto) the calibration for its batch bucket and
+    # the policy's first calibration cycles, which an RL run pays once per engine, not per rollout
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if adaptive:
+        from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
+
+        k_max = len(adaptive_stats()["k_histogram"]) - 1
+        for _ in range(16):
+            if adaptive_stats()["steps"] >= SpeculationPolicy(k_max=k_max).warmup_steps:
+                break
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     before, st0 = counters(llm), adaptive_stats()
     times, tokens = [], 0
     for _ in range(reps):

@@ -118,7 +118,6 @@ class OnlineLinearFit:
         self.yty = 0.0
         self.weight = 0.0      # decayed number of samples
         self.fresh = 0.0       # decayed number of samples added since the last solve
-        self.count = 0
         self._solved: _Solution | None = None
         self._solve_count = 0
 
@@ -131,7 +130,6 @@ class OnlineLinearFit:
         self.yty = self.yty * self.decay + y * y
         self.weight = self.weight * self.decay + 1.0
         self.fresh = self.fresh * self.decay + 1.0
-        self.count += 1
         if self.fresh > self.resolve_share * self.weight:
             # solved again once the samples added since carry `resolve_share` of the fit's weight: every
             # sample while the fit is young, every ~10 once it is steady (the engine adds one per step)
@@ -349,6 +347,11 @@ class SpeculationPolicy:
         """False during the first calibration cycle: the first step at each depth pays one-off costs
         (kernel selection, buffer allocation) that would bias the cost fit for a long time."""
         return self.steps > len(self._cycle())
+
+    @property
+    def warmup_steps(self) -> int:
+        """How many first steps the calibration cycles take: an engine pays them once, at its start."""
+        return len(self._cycle()) * self.warmup_cycles
 
     def _cycle(self) -> list[int]:
         """k_max, k_max, ..., 0, 0: each k twice, so the second step at k is a steady one (timed)."""
