@@ -284,8 +284,13 @@ def regret_seconds(alphas: list[float], cost: CostModel, batch: int, k: int, bes
     """What one step at k instead of `best` costs in engine time: its predicted time minus the time the best
     k needs for the tokens it is expected to emit (never negative). A shallower step is cheaper but emits
     fewer tokens, so exploring it is not free; a deeper step whose drafts are accepted pays for itself."""
-    per_token = cost.step_seconds(batch, best) / expected_tokens(alphas, best)
-    return max(cost.step_seconds(batch, k) - per_token * expected_tokens(alphas, k), 0.0)
+    return regret_from_costs(alphas, [cost.step_seconds(batch, j) for j in range(cost.k_max + 1)], k, best)
+
+
+def regret_from_costs(alphas: list[float], costs: list[float], k: int, best: int) -> float:
+    """regret_seconds with the step time per k given (costs[k])."""
+    per_token = costs[best] / expected_tokens(alphas, best)
+    return max(costs[k] - per_token * expected_tokens(alphas, k), 0.0)
 
 
 @dataclass
@@ -396,23 +401,36 @@ class SpeculationPolicy:
 
     def _calibration_due(self, batch: int) -> bool:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
-        `min_gain` tokens per step, and the fit so far puts the best k > 0 within `calibrate_within` of
-        k = 0) and the cycle fits the probes' exploration budget: its predicted regret against the best k
-        within `explore_budget` of the engine time predicted since the last exploration. Steps the cycle
-        spends at the best k, or deeper with drafts that pay for themselves, cost nothing; the rest makes it
-        wait, so calibrating the buckets a rollout's tail passes through (64, 32, ..., 1 sequences left) is
-        spread over the run instead of front-loaded."""
+        `min_gain` tokens per step, and the fit so far, taken one standard error in drafting's favour
+        (_hopeful_costs), puts the best k > 0 within `calibrate_within` of k = 0) and the cycle fits the
+        probes' exploration budget: its regret against the best k, at those costs, within `explore_budget`
+        of the engine time predicted since the last exploration. Steps the cycle spends at the best k, or
+        deeper with drafts that pay for themselves, cost nothing; the rest makes it wait, so calibrating the
+        buckets a rollout's tail passes through (64, 32, ..., 1 sequences left) is spread over the run
+        instead of front-loaded."""
         alphas = self.acceptance.rates()
         if expected_tokens(alphas, self.k_max) < 1.0 + self.min_gain:
             return False
         if not self.timing_valid:
             return True
         b = max(batch, 1)
-        best, rates = best_k(alphas, self.cost, b, self.k_max, self._incumbent.get(bucket(b), 0))
+        best, _ = best_k(alphas, self.cost, b, self.k_max, self._incumbent.get(bucket(b), 0))
+        hopeful = self._hopeful_costs(b)
+        rates = [expected_tokens(alphas, k) / c for k, c in enumerate(hopeful)]
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
-        extra = sum(regret_seconds(alphas, self.cost, b, k, best) for k in self._cycle())
+        extra = sum(regret_from_costs(alphas, hopeful, k, best) for k in self._cycle())
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
+
+    def _hopeful_costs(self, batch: int) -> list[float]:
+        """Step time per k with each k > 0 one standard error (of its difference to k = 0) below the fit's
+        prediction, never below k = 0's. A bucket's calibration is judged on these: a fit that has timed
+        drafts at one batch only cannot tell a draft's fixed cost from its per-request cost, and extrapolated
+        to a larger batch its prediction can be several times too high, with a standard error to match; the
+        cycle is what finds out, and it runs once per bucket."""
+        base = self.cost.step_seconds(batch, 0)
+        return [base] + [max(self.cost.step_seconds(batch, k) - self.cost.difference_sd(batch, k, 0), base)
+                         for k in range(1, self.k_max + 1)]
 
     def _probe_step(self, best: int, batch: int) -> int:
         """Probes back off while they change nothing (the interval doubles up to `probe_every_max` and

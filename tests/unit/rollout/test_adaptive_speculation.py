@@ -320,6 +320,30 @@ def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_draftin
     assert pol._cycled == {7}
 
 
+def test_a_bucket_the_fit_can_only_extrapolate_to_is_calibrated_at_once_where_drafting_may_pay():
+    # drafts cost mostly a fixed 6 ms + 4 ms per extra step; timed (with +-20% noise) at batch 1 only, the
+    # fit cannot tell fixed from per-request cost and predicts batch 16 several times too dear
+    def truth(n, b, k):
+        return 0.010 + 0.0002 * n + (k > 0) * (0.006 + 0.0002 * b) + max(k - 1, 0) * (0.004 + 0.0001 * b)
+
+    rng = random.Random(0)
+    pol = SpeculationPolicy(k_max=3, warmup_cycles=3, probe_every=0)
+    [pol.choose(1) for _ in range(pol.warmup_steps)]
+    for _ in range(300):
+        k = rng.choice(range(4))
+        pol.cost.observe(1 + k, 1, k, truth(1 + k, 1, k) * rng.uniform(0.8, 1.25))
+    pol.acceptance.observe([3] * 400, [3] * 380 + [1] * 20)
+    alphas = pol.acceptance.rates()
+    _, rates = best_k(alphas, pol.cost, 16, 3)
+    assert max(rates[1:]) < 0.75 * rates[0], rates            # on its mean prediction drafting cannot pay
+    true_rates = [expected_tokens(alphas, k) / truth(16 * (1 + k), 16, k) for k in range(4)]
+    assert max(true_rates) == true_rates[3] > 1.15 * true_rates[0], true_rates   # yet it does
+    # one standard error in drafting's favour does not rule it out: the cycle runs at once, not after the
+    # hundreds of steps the mean's regret would take to fit the budget
+    assert [pol.choose(16) for _ in range(10)] == [3, 3, 2, 2, 1, 1, 0, 0, 0, 0]
+    assert pol._cycled == {5}
+
+
 def test_accepted_counts_from_padded_tensor_and_lists():
     import torch
 
