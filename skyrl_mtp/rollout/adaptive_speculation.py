@@ -252,6 +252,16 @@ class CostModel:
         return self._fit(batch).difference_sd(step_features(batch * (1 + k), batch, k),
                                               step_features(batch * (1 + j), batch, j))
 
+    def draft_seconds_floor(self, batch: int, k: int) -> float:
+        """What k drafts per request add to a step at least, known from timings: their extra time over k = 0
+        at the smallest batch of the largest bucket below this one that was timed at every k (drafting for
+        more requests costs no less); 0 when there is none."""
+        below = [b for b in self.covered_buckets() if b < bucket(batch)]
+        if not below:
+            return 0.0
+        ref = 1 << (below[-1] - 1)
+        return max(self.step_seconds(ref, k) - self.step_seconds(ref, 0), 0.0)
+
 
 def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
            incumbent: int = 0) -> tuple[int, list[float]]:
@@ -300,10 +310,10 @@ class SpeculationPolicy:
     Calibration: the first steps cycle k over k_max..0, two steps each (`warmup_cycles` times). Later, when
     a batch bucket not yet timed at every k is met (the warm-up's steps may fall in smaller buckets while
     a rollout's requests are still arriving), one more cycle times it there if drafting may pay (the live
-    acceptance can gain `min_gain` tokens per step and the model fitted so far puts the best k > 0 within
-    `calibrate_within` of k = 0 in tokens per second; an untrained head, or drafts that cost several plain
-    steps: nothing to calibrate for; the probes keep watching) and the cycle fits the exploration budget
-    (below).
+    acceptance can gain `min_gain` tokens per step and the model fitted so far, one standard error in
+    drafting's favour, puts the best k > 0 within `calibrate_within` of k = 0 in tokens per second; an
+    untrained head, or drafts that cost several plain steps: nothing to calibrate for; the probes keep
+    watching) and the cycle fits the exploration budget (below).
 
     Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
     beyond one standard error of the cost fit.
@@ -423,13 +433,15 @@ class SpeculationPolicy:
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _hopeful_costs(self, batch: int) -> list[float]:
-        """Step time per k with each k > 0 one standard error (of its difference to k = 0) below the fit's
-        prediction, never below k = 0's. A bucket's calibration is judged on these: a fit that has timed
+        """Step time per k, taken one standard error (of its difference to k = 0) below the fit's prediction,
+        but never below k = 0's time plus what the drafts are known to add at a smaller batch
+        (CostModel.draft_seconds_floor). A bucket's calibration is judged on these: a fit that has timed
         drafts at one batch only cannot tell a draft's fixed cost from its per-request cost, and extrapolated
         to a larger batch its prediction can be several times too high, with a standard error to match; the
         cycle is what finds out, and it runs once per bucket."""
         base = self.cost.step_seconds(batch, 0)
-        return [base] + [max(self.cost.step_seconds(batch, k) - self.cost.difference_sd(batch, k, 0), base)
+        return [base] + [max(self.cost.step_seconds(batch, k) - self.cost.difference_sd(batch, k, 0),
+                             base + self.cost.draft_seconds_floor(batch, k))
                          for k in range(1, self.k_max + 1)]
 
     def _probe_step(self, best: int, batch: int) -> int:

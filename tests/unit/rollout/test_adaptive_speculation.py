@@ -344,6 +344,24 @@ def test_a_bucket_the_fit_can_only_extrapolate_to_is_calibrated_at_once_where_dr
     assert pol._cycled == {5}
 
 
+def test_an_extrapolated_bucket_is_not_calibrated_where_drafts_already_cost_too_much_at_a_smaller_batch():
+    # a draft step costs 3 plain steps at batch 1 (timed with +-20% noise), and a weak head: whatever the
+    # fit's doubt about batch 16, drafting for 16 requests costs no less, so no cycle is spent there
+    def truth(n, b, k):
+        return 0.010 + 0.0002 * n + (k > 0) * 0.030 + max(k - 1, 0) * 0.030
+
+    rng = random.Random(1)
+    pol = SpeculationPolicy(k_max=3, warmup_cycles=3, probe_every=0)
+    [pol.choose(1) for _ in range(pol.warmup_steps)]
+    for _ in range(300):
+        k = rng.choice(range(4))
+        pol.cost.observe(1 + k, 1, k, truth(1 + k, 1, k) * rng.uniform(0.8, 1.25))
+    pol.acceptance.observe([3] * 400, [0] * 280 + [1] * 120)
+    assert pol.cost.difference_sd(16, 1, 0) > pol.cost.step_seconds(16, 1) - pol.cost.step_seconds(16, 0)
+    assert pol.cost.draft_seconds_floor(16, 1) == pytest.approx(0.030, rel=0.2)
+    assert [pol.choose(16) for _ in range(10)] == [0] * 10 and not pol._cycled
+
+
 def test_accepted_counts_from_padded_tensor_and_lists():
     import torch
 
