@@ -320,18 +320,25 @@ def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_draftin
     assert pol._cycled == {7}
 
 
+def _timed_at_batch_one_only(truth, seed: int) -> SpeculationPolicy:
+    """A policy past its warm-up whose cost fit has timed 300 steps (+-20% noise, k drawn at random) at
+    batch 1 and at no other batch."""
+    rng = random.Random(seed)
+    pol = SpeculationPolicy(k_max=3, warmup_cycles=3, probe_every=0)
+    [pol.choose(1) for _ in range(pol.warmup_steps)]
+    for _ in range(300):
+        k = rng.choice(range(4))
+        pol.cost.observe(1 + k, 1, k, truth(1 + k, 1, k) * rng.uniform(0.8, 1.25))
+    return pol
+
+
 def test_a_bucket_the_fit_can_only_extrapolate_to_is_calibrated_at_once_where_drafting_may_pay():
     # drafts cost mostly a fixed 6 ms + 4 ms per extra step; timed (with +-20% noise) at batch 1 only, the
     # fit cannot tell fixed from per-request cost and predicts batch 16 several times too dear
     def truth(n, b, k):
         return 0.010 + 0.0002 * n + (k > 0) * (0.006 + 0.0002 * b) + max(k - 1, 0) * (0.004 + 0.0001 * b)
 
-    rng = random.Random(0)
-    pol = SpeculationPolicy(k_max=3, warmup_cycles=3, probe_every=0)
-    [pol.choose(1) for _ in range(pol.warmup_steps)]
-    for _ in range(300):
-        k = rng.choice(range(4))
-        pol.cost.observe(1 + k, 1, k, truth(1 + k, 1, k) * rng.uniform(0.8, 1.25))
+    pol = _timed_at_batch_one_only(truth, seed=0)
     pol.acceptance.observe([3] * 400, [3] * 380 + [1] * 20)
     alphas = pol.acceptance.rates()
     _, rates = best_k(alphas, pol.cost, 16, 3)
@@ -350,12 +357,7 @@ def test_an_extrapolated_bucket_is_not_calibrated_where_drafts_already_cost_too_
     def truth(n, b, k):
         return 0.010 + 0.0002 * n + (k > 0) * 0.030 + max(k - 1, 0) * 0.030
 
-    rng = random.Random(1)
-    pol = SpeculationPolicy(k_max=3, warmup_cycles=3, probe_every=0)
-    [pol.choose(1) for _ in range(pol.warmup_steps)]
-    for _ in range(300):
-        k = rng.choice(range(4))
-        pol.cost.observe(1 + k, 1, k, truth(1 + k, 1, k) * rng.uniform(0.8, 1.25))
+    pol = _timed_at_batch_one_only(truth, seed=1)
     pol.acceptance.observe([3] * 400, [0] * 280 + [1] * 120)
     assert pol.cost.difference_sd(16, 1, 0) > pol.cost.step_seconds(16, 1) - pol.cost.step_seconds(16, 0)
     assert pol.cost.draft_seconds_floor(16, 1) == pytest.approx(0.030, rel=0.2)
