@@ -72,9 +72,9 @@ def measure(llm, prompts, params, reps: int, adaptive: bool = False) -> dict[str
     if adaptive:
         from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
 
-        k_max = len(adaptive_stats()["k_histogram"]) - 1
+        warmup_steps = SpeculationPolicy(k_max=len(adaptive_stats()["k_histogram"]) - 1).warmup_steps
         for _ in range(16):
-            if adaptive_stats()["steps"] >= SpeculationPolicy(k_max=k_max).warmup_steps:
+            if adaptive_stats()["steps"] >= warmup_steps:
                 break
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     before, st0 = counters(llm), adaptive_stats()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,11 +295,11 @@ def regret_seconds(alphas: list[float], cost: CostModel, batch: int, k: int, bes
     """What one step at k instead of `best` costs in engine time: its predicted time minus the time the best
     k needs for the tokens it is expected to emit (never negative). A shallower step is cheaper but emits
     fewer tokens, so exploring it is not free; a deeper step whose drafts are accepted pays for itself."""
-    return regret_from_costs(alphas, [cost.step_seconds(batch, j) for j in range(cost.k_max + 1)], k, best)
+    return regret_from_costs(alphas, {j: cost.step_seconds(batch, j) for j in (k, best)}, k, best)
 
 
-def regret_from_costs(alphas: list[float], costs: list[float], k: int, best: int) -> float:
-    """regret_seconds with the step time per k given (costs[k])."""
+def regret_from_costs(alphas: list[float], costs: Mapping[int, float] | list[float], k: int, best: int) -> float:
+    """regret_seconds with the step time per k given (costs[k], costs[best])."""
     per_token = costs[best] / expected_tokens(alphas, best)
     return max(costs[k] - per_token * expected_tokens(alphas, k), 0.0)
 
