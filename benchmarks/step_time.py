@@ -16,6 +16,10 @@ Each set-up is one real run of the CLI (Ray, vLLM, Megatron) with the same seeds
 warm start is cached so only the first run pays for it. Means are over steps after the first
 (`--skip`), and ratios are taken against no_spec from the same invocation. `--repeats R` runs every
 set-up R times in alternating order (means over all runs; the ratios of each repeat are listed too).
+On a shared machine whole runs differ more than the steps inside one, so each headline ratio also
+carries a 95% interval (`*_ratio_ci95`) from a two-level bootstrap: repeats (a spec run with the no_spec
+run beside it) drawn with replacement, then step indices inside each drawn repeat (step j of both runs
+does the same work). With one repeat it sees step noise only. The per-step times of every run are in the JSON (`per_step`).
 
     python benchmarks/step_time.py [--steps 12] [--repeats 1] [--setups a,b] [--quick] [--json OUT] [override ...]
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -60,8 +65,13 @@ def run_setup(name: str, extra: list[str], steps: int, out: Path, overrides: lis
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def after_skip(rows: list[dict], skip: int) -> list[dict]:
+    """The steps the means use: those after the first `skip` (all of them when there are no more)."""
+    return [r for r in rows if r["step"] > skip] or rows
+
+
 def summarize(rows: list[dict], skip: int) -> dict[str, float]:
-    rows = [r for r in rows if r["step"] > skip] or rows
+    rows = after_skip(rows, skip)
     out = {p: sum(r.get(f"timing/{p}_s", 0.0) for r in rows) / len(rows) for p in PHASES}
     out["acceptance"] = sum(r.get("rollout/train/draft_acceptance_rate", 0.0) for r in rows) / len(rows)
     out["tokens_per_s"] = sum(r.get("rollout/train/tokens_per_s", 0.0) for r in rows) / len(rows)
@@ -73,6 +83,34 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     trained = [r["train/head_trained"] for r in rows if "train/head_trained" in r]
     out["head_trained_share"] = sum(trained) / len(trained) if trained else None   # auto only: steps it trained
     return out
+
+
+def step_times(rows: list[dict], skip: int, phase: str) -> list[float]:
+    """One phase's time per step, for the steps the means use."""
+    return [r.get(f"timing/{phase}_s", 0.0) for r in after_skip(rows, skip)]
+
+
+def ratio_ci95(spec_runs: list[list[float]], base_runs: list[list[float]], draws: int = 2000,
+               seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of mean(spec steps) / mean(base steps). spec_runs[i] and base_runs[i] are the
+    per-step times of the two runs of repeat i, step j of both doing the same work (same seeds and data,
+    and sampling that drafting does not change). A draw takes repeats with replacement, then step indices
+    with replacement inside each, keeping the pairs together."""
+    if len(spec_runs) != len(base_runs) or not spec_runs or any(
+            len(s) != len(b) or not s for s, b in zip(spec_runs, base_runs)):
+        raise ValueError(f"need the same number (>= 1) of spec and base runs, paired runs of the same (>= 1) "
+                         f"steps; got {[len(r) for r in spec_runs]} and {[len(r) for r in base_runs]}")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        spec_sum = base_sum = 0.0
+        for i in rng.choices(range(len(spec_runs)), k=len(spec_runs)):
+            spec, base = spec_runs[i], base_runs[i]
+            for j in rng.choices(range(len(spec)), k=len(spec)):
+                spec_sum, base_sum = spec_sum + spec[j], base_sum + base[j]
+        ratios.append(spec_sum / base_sum)
+    ratios.sort()
+    return ratios[int(0.025 * (draws - 1))], ratios[int(0.975 * (draws - 1))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,14 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     headline = {"spec_setup": spec,
                 "step_ratio_spec_over_nospec": results[spec]["step"] / base["step"] if spec else None,
                 "generate_ratio_spec_over_nospec": results[spec]["generate"] / base["generate"] if spec else None}
-    if spec:   # the same ratios per repeat (each pair of runs side by side)
+    per_step = {name: [{p: step_times(run, a.skip, p) for p in PHASES} for run in rs] for name, rs in runs.items()}
+    if spec:   # the same ratios per repeat (each pair of runs side by side), and their uncertainty
         headline["repeat_ratios"] = [{"step": r[spec]["step"] / r["no_spec"]["step"],
                                       "generate": r[spec]["generate"] / r["no_spec"]["generate"]} for r in per_repeat]
-    print(f"{spec} over no_spec: step {headline['step_ratio_spec_over_nospec']}, "
-          f"generate {headline['generate_ratio_spec_over_nospec']}"
-          + (f"; per repeat {headline['repeat_ratios']}" if a.repeats > 1 and spec else ""))
+        for p in ("step", "generate"):
+            headline[f"{p}_ratio_ci95"] = list(ratio_ci95([run[p] for run in per_step[spec]],
+                                                          [run[p] for run in per_step["no_spec"]]))
+        print(f"{spec} over no_spec: step {headline['step_ratio_spec_over_nospec']:.3f} "
+              f"(95% CI {headline['step_ratio_ci95'][0]:.3f}-{headline['step_ratio_ci95'][1]:.3f}), "
+              f"generate {headline['generate_ratio_spec_over_nospec']:.3f} "
+              f"(95% CI {headline['generate_ratio_ci95'][0]:.3f}-{headline['generate_ratio_ci95'][1]:.3f})"
+              + (f"; per repeat {headline['repeat_ratios']}" if a.repeats > 1 else ""))
     if a.json:
-        a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, **headline, "rows": rows}, indent=2))
+        a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, "repeats": a.repeats, **headline,
+                                      "rows": rows, "per_step": per_step}, indent=2))
     return 0
 
 

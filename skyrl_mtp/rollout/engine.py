@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from typing import Any
 
@@ -21,6 +22,7 @@ from skyrl_mtp.rollout.spec_metrics import SpecCounters, counters_from_vllm_metr
 from skyrl_mtp.rollout.weight_sync import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
 from skyrl_mtp.rollout.weight_transfer.transport import WORKER_CHECKED_BACKENDS
 
+logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
 CPU_SAMPLING_FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
 DRAFT_INVARIANT_SAMPLING_ENV = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
@@ -136,11 +138,15 @@ class InferenceEngine:
         if has_drafter != (self.cfg.num_speculative_tokens > 0):
             raise RuntimeError(f"engine {self.engine_index}: num_speculative_tokens="
                                f"{self.cfg.num_speculative_tokens} but drafter present={has_drafter}")
+        warmup = (await self._engine.collective_rpc("skyrl_warm_up_compiled_ops"))[0]
+        if warmup["missing"]:
+            logger.warning("engine %d: vLLM no longer has %s; its first call will compile in a rollout",
+                           self.engine_index, warmup["missing"])
         adaptive = None
         if self.cfg.adaptive_speculation:   # after model load: the hook wraps the runner and its drafter
             adaptive = (await self._engine.collective_rpc("skyrl_install_adaptive_speculation"))[0]
         return {"engine_index": self.engine_index, "schema": self.schema, "pid": os.getpid(),
-                "adaptive_speculation": adaptive,
+                "adaptive_speculation": adaptive, "compile_warmup": warmup,
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
@@ -192,6 +198,11 @@ class InferenceEngine:
             cur = replace(cur, speculation_steps=float(stats["steps"]), speculation_k_sum=float(stats["k_sum"]),
                           speculation_k_hist=tuple(float(n) for n in stats["k_histogram"]))
         return cur
+
+    async def compiled_graphs(self) -> int:
+        """Graphs torch.compile has compiled in this engine's worker (0 more after ready(): nothing compiles
+        in a rollout)."""
+        return (await self._engine.collective_rpc("skyrl_compiled_graphs"))[0]
 
     async def adaptive_speculation_stats(self) -> dict[str, Any] | None:
         """The worker's adaptive-speculation state (k histogram, acceptance per position), or None."""

@@ -68,6 +68,17 @@ class WeightSyncExtension:
                 "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
                 "vllm_kernel_build": _kernel_build()}
 
+    def skyrl_warm_up_compiled_ops(self) -> dict:
+        """Compile the sampler ops vLLM compiles lazily, now rather than in the middle of a rollout."""
+        from skyrl_mtp.rollout import compile_warmup
+
+        return compile_warmup.warm_up(self.device, self.model_runner.model_config.get_vocab_size())
+
+    def skyrl_compiled_graphs(self) -> int:
+        from skyrl_mtp.rollout.compile_warmup import compiled_graphs
+
+        return compiled_graphs()
+
     # ---- adaptive speculation (trainer.mtp.num_speculative_tokens=auto) ---------------------
 
     def skyrl_install_adaptive_speculation(self) -> dict:

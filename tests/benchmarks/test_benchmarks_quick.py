@@ -34,7 +34,8 @@ EXPECTED = {
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
-    "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec"}, {"setup", "generate_s", "reward_s", "train_s", "sync_s", "step_s",
+    "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec",
+                      "step_ratio_ci95", "generate_ratio_ci95", "per_step"}, {"setup", "generate_s", "reward_s", "train_s", "sync_s", "step_s",
                                          "acceptance", "tokens_per_s", "step_ratio_vs_no_spec", "k_mean", "head_depths"}),
 }
 

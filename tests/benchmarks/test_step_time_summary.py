@@ -24,3 +24,35 @@ def test_phases_are_times_and_the_reward_is_kept_apart():
     assert out["train"] == pytest.approx(0.4) and out["step"] == pytest.approx(4.0)
     assert out["reward_mean"] == pytest.approx(0.625)
     assert out["k_mean"] is None and out["head_trained_share"] is None
+
+
+def test_the_ratio_interval_collapses_when_every_step_has_the_same_ratio():
+    base = [[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]]
+    spec = [[1.1 * t for t in run] for run in base]
+    lo, hi = step_time.ratio_ci95(spec, base)
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+
+
+def test_the_ratio_interval_sees_runs_that_differ_although_their_steps_do_not():
+    # steady steps inside each run, but the spec run beside no_spec was 25% slower in one repeat and 25%
+    # faster in the other: a step-level bootstrap alone would report a zero-width interval at 1.0
+    base = [[1.0] * 8, [1.0] * 8]
+    spec = [[1.25] * 8, [0.75] * 8]
+    lo, hi = step_time.ratio_ci95(spec, base)
+    assert lo == pytest.approx(0.75) and hi == pytest.approx(1.25)
+
+
+def test_the_ratio_interval_narrows_as_repeats_agree():
+    rng = __import__("random").Random(1)
+    base = [[1.0 + 0.3 * rng.random() for _ in range(8)] for _ in range(6)]
+    noisy = [[t * (1.0 + 0.4 * (i % 2 - 0.5)) for t in run] for i, run in enumerate(base)]
+    steady = [[t * 1.0 for t in run] for run in base]
+    wide, narrow = step_time.ratio_ci95(noisy, base), step_time.ratio_ci95(steady, base)
+    assert narrow[0] <= 1.0 <= narrow[1] and wide[1] - wide[0] > 3 * (narrow[1] - narrow[0])
+
+
+def test_the_ratio_interval_rejects_unpaired_runs():
+    with pytest.raises(ValueError, match="same number"):
+        step_time.ratio_ci95([[1.0]], [[1.0], [1.0]])
+    with pytest.raises(ValueError, match="same number"):
+        step_time.ratio_ci95([[1.0, 2.0]], [[1.0]])

@@ -109,6 +109,23 @@ def test_no_spec_reference(engine_pool, refs):
     assert info["vllm_kernel_build"] == expected_build(), info
 
 
+def test_nothing_compiles_in_a_rollout_once_the_engine_is_ready(engine_pool, refs):
+    # vLLM compiles a sampler op lazily (torch.compile; ~1 s of inductor start-up at its first call): the
+    # engine compiles it in ready(), so sampled rollouts with logprobs, at one request and at several,
+    # on a no-spec and a spec engine, compile nothing more (the no-spec one has served refs' rollouts too)
+    import ray
+
+    for name in ("nospec", "k1"):
+        client = engine_pool.get(name)
+        for info in client.engine_infos:
+            warm = info["compile_warmup"]
+            assert warm["warmed"] and not warm["missing"] and warm["graphs"] >= 1, (name, warm)
+        client.generate_sync(PROMPTS[:1], SAMPLED)
+        client.generate_sync(PROMPTS, SAMPLED)
+        now = ray.get([a.compiled_graphs.remote() for a in client.actors])
+        assert now == [info["compile_warmup"]["graphs_total"] for info in client.engine_infos], name
+
+
 def test_k1_oracle_head_equals_no_spec_with_acceptance_one(engine_pool, refs):
     outs, m = _run(engine_pool.get("k1"))
     _assert_same(outs, refs["oracle"], "MTP k=1 (oracle head) vs no spec decoding")

@@ -61,6 +61,26 @@ def test_timeout_from_non_main_thread_and_errors():
     r.close()
 
 
+def _inherited_heap_is_frozen(pred: str, gold: str) -> bool:
+    import gc
+
+    return gc.get_freeze_count() > 0
+
+
+def test_the_verifier_process_never_collects_the_heap_it_inherits():
+    # the verifier runs in a fork of the trainer; a full garbage collection there walked the trainer's whole
+    # heap (~1 s of CPU in the middle of an RL step) until the inherited objects were frozen
+    import gc
+
+    assert gc.get_freeze_count() == 0   # the parent is untouched: only the verifier process freezes
+    r = MathReward(verifier=_inherited_heap_is_frozen)
+    try:
+        assert r.score("\\boxed{1}", "1").score == 1.0
+    finally:
+        r.close()
+    assert gc.get_freeze_count() == 0
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="answer_pattern"):
         MathReward(answer_pattern="Answer: .*")
