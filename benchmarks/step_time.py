@@ -19,7 +19,8 @@ set-up R times in alternating order (means over all runs; the ratios of each rep
 On a shared machine whole runs differ more than the steps inside one, so each headline ratio also
 carries a 95% interval (`*_ratio_ci95`) from a two-level bootstrap: repeats (a spec run with the no_spec
 run beside it) drawn with replacement, then step indices inside each drawn repeat (step j of both runs
-does the same work). With one repeat it sees step noise only. The per-step times of every run are in the JSON (`per_step`).
+does the same work). With one repeat it sees step noise only. The per-step times of every run are in
+the JSON (`per_step`).
 
     python benchmarks/step_time.py [--steps 12] [--repeats 1] [--setups a,b] [--quick] [--json OUT] [override ...]
 """

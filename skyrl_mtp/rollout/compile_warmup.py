@@ -10,8 +10,9 @@ In `benchmarks/step_time.py` it fell inside the measured steps of one set-up and
 
 `warm_up(device, vocab_size)` calls the op on a dummy batch the way vLLM's worker calls it: under inference
 mode, on rows as wide as the vocabulary (both are guards of the compiled graph), with the batch dimension
-marked unbacked, so the graph serves every batch size. It returns what it did, and `graphs_total`, which stays the process's count while nothing compiles. A vLLM that no longer has the
-op is reported (`missing`), not raised: the engine still serves; only the stall comes back.
+marked unbacked, so the graph serves every batch size. It returns what it did, and `graphs_total`: the
+process's count of compiled graphs, which stays there while nothing compiles. A vLLM that no longer has
+the op is reported (`missing`), not raised: the engine still serves; only the stall comes back.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def warm_up(device: Any, vocab_size: int) -> dict[str, Any]:
 
     t0, graphs0 = time.perf_counter(), compiled_graphs()
     warmed, missing = [], []
-    for path in OPS:   # under inference mode, as vLLM's worker runs the sampler: grad mode is a guard
+    for path in OPS:
         module, name = path.rsplit(".", 1)
         try:
             op = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             missing.append(path)
             continue
-        with torch.inference_mode():
+        with torch.inference_mode():   # as vLLM's worker runs the sampler: grad mode is a guard
             logprobs = torch.log_softmax(torch.randn(2, vocab_size, device=device, dtype=torch.float32), dim=-1)
             values = logprobs[:, :1].contiguous()
             torch._dynamo.decorators.mark_unbacked(logprobs, 0)
