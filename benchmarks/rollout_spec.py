@@ -5,14 +5,20 @@ target forward. This measures both ends: an oracle MTP head (drafts always accep
 and a random head (drafts never accepted: the lower bound, the pure cost of speculating), for k = 1..3,
 against no speculative decoding, on a model big enough that CPU decoding is not pure per-step overhead.
 
-One fresh engine per (k, head), measured at every batch size in turn (--batches; the engine's
-max_num_seqs is the largest). k = "auto" is adaptive speculation (rollout/adaptive_speculation.py: k per
-engine step from the running batch, live acceptance and on-engine timings, up to --auto-max); its row
-carries the mean k it chose (`k_mean`), measured once the engine's first calibration cycles are done (an
-RL run pays them once per engine: the warm-up repeats until they are). Every row also says whether its tokens equal its head's no-spec
-engine's (`identical_to_no_spec`, greedy: must be true). Generation ignores EOS so every configuration
-emits the same number of tokens. `speedup_vs_no_spec` divides by the median no-spec tokens/s of the
-heads at that batch (`no_spec_tokens_per_s`: the heads' engines do the same work).
+Every head gets one engine per k (and a no-spec one: the checkpoints' trunks differ), all alive at once;
+at every batch size in turn (--batches; max_num_seqs is the largest) they are timed round-robin, one
+rollout each per round, the order rotated every round. k = "auto" is adaptive speculation
+(rollout/adaptive_speculation.py: k per engine step from the running batch, live acceptance and
+on-engine timings, up to --auto-max); its row carries the mean k it chose (`k_mean`), measured once the
+engine's first calibration cycles are done (an RL run pays them once per engine: the warm-up repeats
+until they are). Every row says whether its tokens equal its head's no-spec engine's
+(`identical_to_no_spec`, greedy: must be true). Generation ignores EOS so every configuration emits the
+same number of tokens. Each engine's `tokens_per_s` is from its fastest rollout, and `speedup_vs_no_spec`
+is the ratio of the two fastest rollouts (this engine's and its head's no-spec engine's, from the same
+rounds): on a shared machine a busy moment only ever adds time, it comes in bursts shorter than a round,
+and it hits some rollouts of a round and not others, so the fastest of several interleaved rollouts is
+what the engine costs (engines timed one after another differed by up to 25% at identical work).
+`speedup_per_rep` keeps the ratio of every round, to show the spread.
 
 Predicted speedup = (1 + sum_i acceptance_pos_i) / (1 + k * c): tokens per target step over the cost
 of one step (verify ~ one target forward, plus k draft forwards). c, the cost of one draft forward
@@ -27,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,43 +67,161 @@ def counters(llm) -> dict[str, object]:
     return out
 
 
-def measure(llm, prompts, params, reps: int, adaptive: bool = False) -> dict[str, object]:
-    def adaptive_stats():
-        return llm.collective_rpc("skyrl_adaptive_speculation_stats")[0] if adaptive else None
+def worker_spin_seconds() -> float:
+    """How long a vLLM worker process keeps spinning on its message queue after its last message
+    (shm_broadcast.SpinCondition's `busy_loop_s`, the default every queue uses)."""
+    import inspect
 
-    # warm up at the measured batch: its kernel shapes, and (auto) the calibration for its batch bucket and
-    # the policy's first calibration cycles, which an RL run pays once per engine, not per rollout
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if adaptive:
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    param = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
+    if param is None or not isinstance(param.default, (int, float)):
+        raise RuntimeError("vLLM's SpinCondition has no numeric busy_loop_s default any more: rollout_spec.py "
+                           "needs another way to know when an engine's worker has gone idle")
+    return float(param.default)
+
+
+def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
+    """The engine process: build the engine, then answer the driver's calls until "stop"."""
+    import traceback
+
+    from skyrl_mtp.runtime_env import configure_offline_caches
+
+    configure_offline_caches(cache)
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(**llm_kwargs)
+        if adaptive:
+            llm.collective_rpc("skyrl_install_adaptive_speculation")
+    except Exception:
+        conn.send((False, traceback.format_exc()))
+        return
+    conn.send((True, "ready"))
+
+    def generate(prompts, sampling):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    calls = {"generate": generate, "counters": lambda: counters(llm), "worker_spin_seconds": worker_spin_seconds,
+             "adaptive_stats": lambda: llm.collective_rpc("skyrl_adaptive_speculation_stats")[0]}
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            llm.llm_engine.engine_core.shutdown()
+            conn.send((True, None))
+            return
+        try:
+            conn.send((True, calls[method](*args)))
+        except Exception:
+            conn.send((False, traceback.format_exc()))
+
+
+class EngineProcess:
+    """One vLLM engine in a process of its own, driven over a pipe.
+
+    Several engines of one process share vLLM's Prometheus registry (a new engine unregisters the previous
+    one's spec-decode counters), and an RL run gives each engine its own process (a Ray actor) as well."""
+
+    def __init__(self, llm_kwargs: dict, adaptive: bool, cache: str):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.adaptive = adaptive
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, llm_kwargs, adaptive, cache), daemon=False)
+        self._proc.start()
+        self._ready = False
+
+    def _reply(self):
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"engine process failed:\n{value}")
+        return value
+
+    def wait_ready(self) -> None:
+        if not self._ready:
+            self._reply()
+            self._ready = True
+
+    def call(self, method: str, *args):
+        self.wait_ready()
+        self._conn.send((method, args))
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            if self._proc.is_alive() and self._ready:
+                self.call("stop")
+        finally:
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout=10)
+
+
+def warm_up(engine: EngineProcess, prompts, sampling: dict) -> None:
+    """Run the measured batch until its kernel shapes are warm and (auto) the policy's first calibration
+    cycles are done: an RL run pays them once per engine, not per rollout."""
+    engine.call("generate", prompts, sampling)
+    if engine.adaptive:
         from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
 
-        warmup_steps = SpeculationPolicy(k_max=len(adaptive_stats()["k_histogram"]) - 1).warmup_steps
+        warmup_steps = SpeculationPolicy(k_max=len(engine.call("adaptive_stats")["k_histogram"]) - 1).warmup_steps
         for _ in range(16):
-            if adaptive_stats()["steps"] >= warmup_steps:
+            if engine.call("adaptive_stats")["steps"] >= warmup_steps:
                 break
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    before, st0 = counters(llm), adaptive_stats()
-    times, tokens = [], 0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    after, st1 = counters(llm), adaptive_stats()
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted"] - before["accepted"]
-    draft_tokens = after["draft_tokens"] - before["draft_tokens"]
-    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0.0] * len(after["per_pos"]))]
-    times.sort()
-    return {
-        "tokens_per_s": tokens / times[len(times) // 2],
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "per_pos": [x / drafts for x in per_pos] if drafts else [],
-        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-        "k_mean": ((st1["k_sum"] - st0["k_sum"]) / (st1["steps"] - st0["steps"])
-                   if st1 and st1["steps"] > st0["steps"] else None),
-    }
+            engine.call("generate", prompts, sampling)
+
+
+def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settle_s: float) -> dict:
+    """Time every engine `reps` times, one rollout each per round, the round's order rotated.
+
+    Engines measured one after another see different moments of a shared machine (a busy minute moves a
+    whole row); interleaved, every round holds one rollout of each, so per-round ratios against the
+    no-spec engine cancel what the machine did in that round. Every engine's worker is bound to the same
+    core, and after its last step it keeps spinning on its message queue for a while (worker_spin_seconds):
+    each rollout, the warm-ups included (the auto engine calibrates its cost model there), waits `settle_s`
+    so that it never shares the core with the previous engine's spinning worker."""
+    keys = list(engines)
+    for engine in engines.values():
+        time.sleep(settle_s)
+        warm_up(engine, prompts, sampling)
+    before = {key: (e.call("counters"), e.call("adaptive_stats") if e.adaptive else None) for key, e in engines.items()}
+    times: dict = {key: [] for key in keys}
+    tokens: dict = {}
+    for rep in range(reps):
+        for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+            time.sleep(settle_s)
+            dt, tokens[key] = engines[key].call("generate", prompts, sampling)
+            times[key].append(dt)
+    result = {}
+    for key, engine in engines.items():
+        (c0, st0), c1 = before[key], engine.call("counters")
+        st1 = engine.call("adaptive_stats") if engine.adaptive else None
+        drafts = c1["drafts"] - c0["drafts"]
+        accepted = c1["accepted"] - c0["accepted"]
+        draft_tokens = c1["draft_tokens"] - c0["draft_tokens"]
+        per_pos = [a - b for a, b in zip(c1["per_pos"], c0["per_pos"] or [0.0] * len(c1["per_pos"]))]
+        result[key] = {
+            "times": times[key],
+            "tokens_per_s": sum(map(len, tokens[key])) / min(times[key]),
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "per_pos": [x / drafts for x in per_pos] if drafts else [],
+            "token_ids": tokens[key],
+            "k_mean": ((st1["k_sum"] - st0["k_sum"]) / (st1["steps"] - st0["steps"])
+                       if st1 and st1["steps"] > st0["steps"] else None),
+        }
+    return result
+
+
+def paired_speedup(times: list[float], no_spec_times: list[float]) -> list[float]:
+    """Per-round speedups: the no-spec rollout's time over this engine's, both from the same round."""
+    if len(times) != len(no_spec_times):
+        raise ValueError(f"unpaired rounds: {len(times)} vs {len(no_spec_times)} timings")
+    return [t0 / t for t, t0 in zip(times, no_spec_times)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trained-ckpt", default=None, help="an HF checkpoint with the oracle's trunk and a trained head")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (rollouts per engine and batch)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -135,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from skyrl_mtp.runtime_env import configure_offline_caches
 
-    configure_offline_caches(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
+    cache = str(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
+    configure_offline_caches(cache)
     import torch
-    from vllm import LLM, SamplingParams
 
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
     from skyrl_mtp.rollout.config import EngineConfig
@@ -151,52 +274,46 @@ def main(argv: list[str] | None = None) -> int:
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(max(a.batches))]
-    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=1)
-    base = dict(model=str(oracle), max_model_len=a.prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batches),
+    sampling = dict(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=1)
+    base = dict(max_model_len=a.prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batches),
                 kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, dtype="float32", seed=0,
                 disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION_CLS)
 
     rows = []
-    for k in [0, *a.ks]:
-        k_max = a.auto_max if k == "auto" else k
-        eng_cfg = EngineConfig(model_path=str(oracle), num_speculative_tokens=k_max, max_num_seqs=max(a.batches),
-                               adaptive_speculation=k == "auto")
-        spec_cfg = eng_cfg.speculative_config
-        sched_kwargs = {"scheduler_cls": eng_cfg.adaptive_scheduler_cls, "async_scheduling": False} if k == "auto" else {}
-        for head in a.draft_heads:   # k = 0 too: the two checkpoints' trunks differ (own no-spec reference)
-            # a fresh engine per head (the weight sync itself is measured by the trainer: sync/* metrics)
-            path = {"random": random_ckpt, "oracle": oracle, "trained": a.trained_ckpt}[head]
-            llm = LLM(**{**base, "model": str(path)}, **sched_kwargs,
-                      speculative_config=spec_cfg)
-            try:
-                if k == "auto":
-                    llm.collective_rpc("skyrl_install_adaptive_speculation")
-                for batch in a.batches:
-                    r = measure(llm, prompts[:batch], params, a.reps, adaptive=k == "auto")
+    for head in a.draft_heads:
+        # one engine per k, all alive at once and timed round-robin (k = 0 too: the checkpoints' trunks
+        # differ, so each head has its own no-spec reference); the weight sync itself is measured by the
+        # trainer (sync/* metrics)
+        path = str({"random": random_ckpt, "oracle": oracle, "trained": a.trained_ckpt}[head])
+        engines: dict = {}
+        try:
+            for k in [0, *a.ks]:
+                eng_cfg = EngineConfig(model_path=path, num_speculative_tokens=a.auto_max if k == "auto" else k,
+                                       max_num_seqs=max(a.batches), adaptive_speculation=k == "auto")
+                sched = {"scheduler_cls": eng_cfg.adaptive_scheduler_cls, "async_scheduling": False} if k == "auto" else {}
+                engines[k] = EngineProcess({**base, "model": path, **sched, "speculative_config": eng_cfg.speculative_config},
+                                           adaptive=k == "auto", cache=cache)
+            settle_s = max(e.call("worker_spin_seconds") for e in engines.values()) + 0.25
+            for batch in a.batches:
+                measured = measure_interleaved(engines, prompts[:batch], sampling, a.reps, settle_s)
+                ref = measured[0]
+                for k, r in measured.items():
+                    per_rep = paired_speedup(r["times"], ref["times"])
                     predicted = (1 + sum(r["per_pos"])) / (1 + k * c) if isinstance(k, int) and k else (
                         1.0 if not k else None)
                     rows.append({"head": head, "k": k, "batch": batch, "tokens_per_s": r["tokens_per_s"],
+                                 "no_spec_tokens_per_s": ref["tokens_per_s"],
                                  "acceptance_rate": r["acceptance_rate"],
                                  "mean_acceptance_length": r["mean_acceptance_length"],
                                  "acceptance_per_pos": r["per_pos"], "k_mean": r["k_mean"],
-                                 "speedup_vs_no_spec": None, "predicted_speedup": predicted,
-                                 "_tokens": r["token_ids"]})
-                    print(f"k={k} head={head} batch={batch}: {r['tokens_per_s']:.1f} tok/s", flush=True)
-            finally:
-                llm.llm_engine.engine_core.shutdown()
-                del llm
-    ref = {(row["head"], row["batch"]): row for row in rows if row["k"] == 0}
-    # every head's no-spec engine does the same work (same shapes; only the weights differ), so the speed
-    # reference of a batch is the median of their no-spec rows: one engine measured in a noisy moment
-    # does not skew its head's speedups
-    no_spec = {b: statistics.median(r["tokens_per_s"] for (_, rb), r in ref.items() if rb == b) for b in a.batches}
-    for row in rows:
-        base_row = ref[(row["head"], row["batch"])]
-        row["no_spec_tokens_per_s"] = no_spec[row["batch"]]
-        row["speedup_vs_no_spec"] = row["tokens_per_s"] / no_spec[row["batch"]]
-        row["identical_to_no_spec"] = row["_tokens"] == base_row["_tokens"]
-    for row in rows:
-        del row["_tokens"]
+                                 "speedup_vs_no_spec": min(ref["times"]) / min(r["times"]),
+                                 "speedup_per_rep": per_rep, "predicted_speedup": predicted,
+                                 "identical_to_no_spec": r["token_ids"] == ref["token_ids"]})
+                    print(f"k={k} head={head} batch={batch}: {r['tokens_per_s']:.1f} tok/s, "
+                          f"speedup {min(ref['times']) / min(r['times']):.2f}x", flush=True)
+        finally:
+            for engine in engines.values():
+                engine.close()
 
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
@@ -205,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
           f"prompt_len={a.prompt_len} max_tokens={a.max_tokens} (greedy, EOS ignored); "
           f"draft cost ratio c={c:.3f} (parameter estimate)")
     print(f"{'head':>7} {'k':>5} {'batch':>5} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'k_mean':>6} {'speedup':>8} "
-          f"{'predicted':>9} {'same':>5}")
+          f"{'per-round range':>15} {'predicted':>9} {'same':>5}")
     for row in rows:
         print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} {row['tokens_per_s']:>8.1f} "
               f"{fmt(row['acceptance_rate'], '.3f'):>7} {fmt(row['mean_acceptance_length'], '.2f'):>8} "
               f"{fmt(row['k_mean'], '.2f'):>6} {row['speedup_vs_no_spec']:>7.2f}x "
+              f"{min(row['speedup_per_rep']):>7.2f}-{max(row['speedup_per_rep']):.2f}x "
               f"{fmt(row['predicted_speedup'], '.2f'):>8}x {str(row['identical_to_no_spec']):>5}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -30,7 +30,7 @@ EXPECTED = {
     "draft_head_training.py": ({"rows"}, {"variant", "train_depths", "loss_type", "position_fraction", "draft_sample_method",
                                           "k", "acceptance_rate", "acceptance_per_pos", "acceptance_vs_oracle"}),
     "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
-                                   "speedup_vs_no_spec", "predicted_speedup"}),
+                                   "speedup_vs_no_spec", "speedup_per_rep", "no_spec_tokens_per_s", "predicted_speedup"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
@@ -80,4 +80,12 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
     if script == "step_time.py":   # auto k: the trainer chose the head's depths from the engines' k each step
         auto = next(r for r in result["rows"] if r["setup"] == "spec_auto")
         assert 1 <= auto["head_depths"] <= 3 and 0 <= auto["k_mean"] <= 3 and 0 <= auto["head_trained_share"] <= 1, auto
+    if script == "rollout_spec.py":   # every engine its own counters: no-spec drafts nothing, the oracle's drafts all land
+        for row in result["rows"]:
+            assert row["identical_to_no_spec"], row
+            assert len(row["speedup_per_rep"]) >= 1 and all(s > 0 for s in row["speedup_per_rep"]), row
+            if row["k"] == 0:
+                assert row["acceptance_rate"] is None and row["speedup_per_rep"] == [1.0] * len(row["speedup_per_rep"]), row
+            elif row["acceptance_rate"] is not None:
+                assert row["acceptance_rate"] == 1.0, row
     print(f"{script} --quick: {seconds:.1f}s")
