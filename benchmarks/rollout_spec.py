@@ -53,20 +53,6 @@ def draft_cost_ratio(spec) -> float:
     return (block + 2 * h * h + lm_head) / (spec.layers * block + lm_head)
 
 
-def counters(llm) -> dict[str, object]:
-    out: dict[str, object] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out["drafts"] = float(m.value)
-        elif m.name == "vllm:spec_decode_num_draft_tokens":
-            out["draft_tokens"] = float(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["accepted"] = float(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["per_pos"] = [float(x) for x in m.values]
-    return out
-
-
 def worker_spin_seconds() -> float:
     """How long a vLLM worker process keeps spinning on its message queue after its last message
     (shm_broadcast.SpinCondition's `busy_loop_s`, the default every queue uses)."""
@@ -90,6 +76,8 @@ def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
     configure_offline_caches(cache)
     from vllm import LLM, SamplingParams
 
+    from skyrl_mtp.rollout.spec_metrics import counters_from_vllm_metrics
+
     try:
         llm = LLM(**llm_kwargs)
         if adaptive:
@@ -104,7 +92,7 @@ def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
-    calls = {"generate": generate, "counters": lambda: counters(llm), "worker_spin_seconds": worker_spin_seconds,
+    calls = {"generate": generate, "counters": lambda: counters_from_vllm_metrics(llm.get_metrics()), "worker_spin_seconds": worker_spin_seconds,
              "adaptive_stats": lambda: llm.collective_rpc("skyrl_adaptive_speculation_stats")[0]}
     while True:
         method, args = conn.recv()
@@ -198,17 +186,15 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
             times[key].append(dt)
     result = {}
     for key, engine in engines.items():
-        (c0, st0), c1 = before[key], engine.call("counters")
+        c0, st0 = before[key]
+        delta = engine.call("counters") - c0
         st1 = engine.call("adaptive_stats") if engine.adaptive else None
-        drafts = c1["drafts"] - c0["drafts"]
-        accepted = c1["accepted"] - c0["accepted"]
-        draft_tokens = c1["draft_tokens"] - c0["draft_tokens"]
-        per_pos = [a - b for a, b in zip(c1["per_pos"], c0["per_pos"] or [0.0] * len(c1["per_pos"]))]
+        drafts, per_pos = delta.num_drafts, delta.accepted_per_pos
         result[key] = {
             "times": times[key],
             "tokens_per_s": sum(map(len, tokens[key])) / min(times[key]),
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": delta.num_accepted_tokens / delta.num_draft_tokens if delta.num_draft_tokens else None,
+            "mean_acceptance_length": 1 + delta.num_accepted_tokens / drafts if drafts else None,
             "per_pos": [x / drafts for x in per_pos] if drafts else [],
             "token_ids": tokens[key],
             "k_mean": ((st1["k_sum"] - st0["k_sum"]) / (st1["steps"] - st0["steps"])
