@@ -18,7 +18,10 @@ is the ratio of the two fastest rollouts (this engine's and its head's no-spec e
 rounds): on a shared machine a busy moment only ever adds time, it comes in bursts shorter than a round,
 and it hits some rollouts of a round and not others, so the fastest of several interleaved rollouts is
 what the engine costs (engines timed one after another differed by up to 25% at identical work).
-`speedup_per_rep` keeps the ratio of every round, to show the spread.
+`speedup_per_rep` keeps the ratio of every round, to show the spread. `runner_ms_per_step` is where the
+engine's steps spent their time inside vLLM's model runner over the timed rounds (runner_phase_timer: ms
+per step of input preparation, model forward, sampling, drafting, bookkeeping), so a difference between
+two engines that drafted the same tokens can be traced to a phase rather than to the machine.
 
 Predicted speedup = (1 + sum_i acceptance_pos_i) / (1 + k * c): tokens per target step over the cost
 of one step (verify ~ one target forward, plus k draft forwards). c, the cost of one draft forward
@@ -82,6 +85,7 @@ def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
         llm = LLM(**llm_kwargs)
         if adaptive:
             llm.collective_rpc("skyrl_install_adaptive_speculation")
+        llm.collective_rpc("skyrl_install_phase_timer")   # after the adaptive hook: it times the hook too
     except Exception:
         conn.send((False, traceback.format_exc()))
         return
@@ -93,7 +97,8 @@ def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     calls = {"generate": generate, "counters": lambda: counters_from_vllm_metrics(llm.get_metrics()), "worker_spin_seconds": worker_spin_seconds,
-             "adaptive_stats": lambda: llm.collective_rpc("skyrl_adaptive_speculation_stats")[0]}
+             "adaptive_stats": lambda: llm.collective_rpc("skyrl_adaptive_speculation_stats")[0],
+             "phase_times": lambda: llm.collective_rpc("skyrl_phase_times")[0]}
     while True:
         method, args = conn.recv()
         if method == "stop":
@@ -172,11 +177,14 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
     core, and after its last step it keeps spinning on its message queue for a while (worker_spin_seconds):
     each rollout, the warm-ups included (the auto engine calibrates its cost model there), waits `settle_s`
     so that it never shares the core with the previous engine's spinning worker."""
+    from skyrl_mtp.rollout.runner_phase_timer import ms_per_step
+
     keys = list(engines)
     for engine in engines.values():
         time.sleep(settle_s)
         warm_up(engine, prompts, sampling)
-    before = {key: (e.call("counters"), e.call("adaptive_stats") if e.adaptive else None) for key, e in engines.items()}
+    before = {key: (e.call("counters"), e.call("adaptive_stats") if e.adaptive else None, e.call("phase_times"))
+              for key, e in engines.items()}
     times: dict = {key: [] for key in keys}
     tokens: dict = {}
     for rep in range(reps):
@@ -186,7 +194,7 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
             times[key].append(dt)
     result = {}
     for key, engine in engines.items():
-        c0, st0 = before[key]
+        c0, st0, ph0 = before[key]
         delta = engine.call("counters") - c0
         st1 = engine.call("adaptive_stats") if engine.adaptive else None
         drafts, per_pos = delta.num_drafts, delta.accepted_per_pos
@@ -197,6 +205,7 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
             "mean_acceptance_length": 1 + delta.num_accepted_tokens / drafts if drafts else None,
             "per_pos": [x / drafts for x in per_pos] if drafts else [],
             "token_ids": tokens[key],
+            "runner_ms_per_step": ms_per_step(ph0, engine.call("phase_times")),
             "k_mean": ((st1["k_sum"] - st0["k_sum"]) / (st1["steps"] - st0["steps"])
                        if st1 and st1["steps"] > st0["steps"] else None),
         }
@@ -294,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "acceptance_per_pos": r["per_pos"], "k_mean": r["k_mean"],
                                  "speedup_vs_no_spec": min(ref["times"]) / min(r["times"]),
                                  "speedup_per_rep": per_rep, "predicted_speedup": predicted,
+                                 "runner_ms_per_step": r["runner_ms_per_step"],
                                  "identical_to_no_spec": r["token_ids"] == ref["token_ids"]})
                     print(f"k={k} head={head} batch={batch}: {r['tokens_per_s']:.1f} tok/s, "
                           f"speedup {min(ref['times']) / min(r['times']):.2f}x", flush=True)
@@ -315,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(row['k_mean'], '.2f'):>6} {row['speedup_vs_no_spec']:>7.2f}x "
               f"{min(row['speedup_per_rep']):>7.2f}-{max(row['speedup_per_rep']):.2f}x "
               f"{fmt(row['predicted_speedup'], '.2f'):>8}x {str(row['identical_to_no_spec']):>5}")
+    phases = ("execute_model", "_prepare_inputs", "_model_forward", "sample_tokens", "_sample",
+              "propose_draft_token_ids", "_bookkeeping_sync")
+    print("\nms per engine step inside vLLM's model runner (execute_model holds prepare and forward; "
+          "sample_tokens holds sample, draft and bookkeeping)")
+    print(f"{'head':>7} {'k':>5} {'batch':>5} " + " ".join(f"{p.strip('_')[:12]:>12}" for p in phases))
+    for row in rows:
+        ms = row["runner_ms_per_step"]
+        print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} " + " ".join(f"{ms[p]:>12.3f}" for p in phases))
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0

@@ -94,6 +94,18 @@ class WeightSyncExtension:
             raise RuntimeError("adaptive speculation is not installed on this worker")
         return hook.stats()
 
+    def skyrl_install_phase_timer(self) -> dict:
+        """Time this worker's runner phases from now on (runner_phase_timer; raises if a phase moved)."""
+        from skyrl_mtp.rollout import runner_phase_timer
+
+        return runner_phase_timer.install(self.model_runner).snapshot()
+
+    def skyrl_phase_times(self) -> dict:
+        timer = getattr(self.model_runner, "_skyrl_phase_timer", None)
+        if timer is None:
+            raise RuntimeError("the runner phase timer is not installed on this worker")
+        return timer.snapshot()
+
     def skyrl_weight_digest(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the target model ("model.") and the drafter ("draft."), as
         the worker holds them (after the CPU backend's repacking): a synced engine must equal a fresh one."""

@@ -30,7 +30,8 @@ EXPECTED = {
     "draft_head_training.py": ({"rows"}, {"variant", "train_depths", "loss_type", "position_fraction", "draft_sample_method",
                                           "k", "acceptance_rate", "acceptance_per_pos", "acceptance_vs_oracle"}),
     "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
-                                   "speedup_vs_no_spec", "speedup_per_rep", "no_spec_tokens_per_s", "predicted_speedup"}),
+                                   "speedup_vs_no_spec", "speedup_per_rep", "no_spec_tokens_per_s", "predicted_speedup",
+                                   "runner_ms_per_step"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
@@ -88,4 +89,9 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
                 assert row["acceptance_rate"] is None and row["speedup_per_rep"] == [1.0] * len(row["speedup_per_rep"]), row
             elif row["acceptance_rate"] is not None:
                 assert row["acceptance_rate"] == 1.0, row
+            ms = row["runner_ms_per_step"]   # measured in the engine's worker, phases nested as documented
+            assert 0 < ms["_model_forward"] < ms["execute_model"] and 0 < ms["_prepare_inputs"] < ms["execute_model"], ms
+            assert 0 < ms["_sample"] < ms["sample_tokens"] and ms["_bookkeeping_sync"] < ms["sample_tokens"], ms
+            # a speculative runner calls its drafter every step (the adaptive hook returns at once at k = 0), no spec never
+            assert (ms["propose_draft_token_ids"] == 0) == (row["k"] == 0), ms
     print(f"{script} --quick: {seconds:.1f}s")
