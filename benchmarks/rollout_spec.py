@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
     from skyrl_mtp.rollout.config import EngineConfig
     from skyrl_mtp.rollout.engine import WORKER_EXTENSION_CLS
+    from skyrl_mtp.rollout.runner_phase_timer import PHASES
 
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate, vocab=a.vocab, mtp_layers=1, seed=0)
@@ -325,14 +326,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(row['k_mean'], '.2f'):>6} {row['speedup_vs_no_spec']:>7.2f}x "
               f"{min(row['speedup_per_rep']):>7.2f}-{max(row['speedup_per_rep']):.2f}x "
               f"{fmt(row['predicted_speedup'], '.2f'):>8}x {str(row['identical_to_no_spec']):>5}")
-    phases = ("execute_model", "_prepare_inputs", "_model_forward", "sample_tokens", "_sample",
-              "propose_draft_token_ids", "_bookkeeping_sync")
     print("\nms per engine step inside vLLM's model runner (execute_model holds prepare and forward; "
           "sample_tokens holds sample, draft and bookkeeping)")
-    print(f"{'head':>7} {'k':>5} {'batch':>5} " + " ".join(f"{p.strip('_')[:12]:>12}" for p in phases))
+    print(f"{'head':>7} {'k':>5} {'batch':>5} " + " ".join(f"{p.strip('_')[:12]:>12}" for p in PHASES))
     for row in rows:
         ms = row["runner_ms_per_step"]
-        print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} " + " ".join(f"{ms[p]:>12.3f}" for p in phases))
+        print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} " + " ".join(f"{ms[p]:>12.3f}" for p in PHASES))
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0
