@@ -29,7 +29,12 @@ padding, and `SchedulerOutput.num_spec_tokens_to_schedule` is the K the runner p
 - the engine core's scheduler chooses k (adaptive_scheduler.py), so the engine core knows when a step
   drafted nothing and does not fetch drafts from the worker;
 - the worker (`install`, below) follows that k, skips the drafter and the rejection sampler when nothing
-  is drafted, and reports what it ran.
+  is drafted, and reports what it ran. A step with no drafts to verify and none to propose runs as a
+  no-spec step: the runner's speculative bookkeeping (spec-decode metadata, drafter attention metadata,
+  the draft copy-out) costs ~3% of a small model's step at batch 1, so without this an engine that has
+  stopped drafting would still be slower than one built without speculation. Attention-only models with
+  synchronous scheduling only: vLLM keeps zero-draft rows speculative for recurrent (hybrid) backends,
+  and async scheduling carries draft state from one step to the next.
 Both check every vLLM name they rely on and raise `AdaptiveSpeculationError` naming what moved.
 """
 
@@ -50,6 +55,7 @@ PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", 
                   "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata")
 DRAFTER_PROPOSE_PARAMS = ("num_speculative_tokens", "common_attn_metadata")
 SAMPLE_PARAMS = ("logits", "spec_decode_metadata")
+STATE_FIELDS = ("spec_decode_metadata", "spec_decode_common_attn_metadata")
 
 
 class AdaptiveSpeculationError(RuntimeError):
@@ -517,7 +523,7 @@ def check_runner(runner: Any) -> None:
 
     name = type(runner).__name__
     for attr in ("propose_draft_token_ids", "take_draft_token_ids", "drafter", "speculative_config", "_sample",
-                 "sampler", "device"):
+                 "sampler", "device", "execute_model", "sample_tokens", "execute_model_state"):
         _require(hasattr(runner, attr), f"model runner {name} has no `{attr}`")
     got = _params(runner._sample)
     _require(got == SAMPLE_PARAMS, f"{name}._sample parameters are {got}, expected {SAMPLE_PARAMS}")
@@ -531,6 +537,12 @@ def check_runner(runner: Any) -> None:
              "SchedulerOutput has no field num_spec_tokens_to_schedule")
     _require("num_draft_tokens" in {f.name for f in fields(SpecDecodeMetadata)},
              "SpecDecodeMetadata has no field num_draft_tokens")
+    _require("scheduled_spec_decode_tokens" in {f.name for f in fields(SchedulerOutput)},
+             "SchedulerOutput has no field scheduled_spec_decode_tokens")
+    from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+
+    missing = set(STATE_FIELDS) - set(ExecuteModelState._fields)
+    _require(not missing, f"ExecuteModelState has no field(s) {sorted(missing)}")
     par = getattr(runner, "parallel_config", None)
     world = 1 if par is None else par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
     if world != 1:
@@ -547,21 +559,37 @@ def check_runner(runner: Any) -> None:
                                        f"{SCHEDULER_CLS!r} (EngineConfig(adaptive_speculation=True) sets it)")
 
 
+def plain_steps_supported(runner: Any) -> tuple[bool, str]:
+    """Can a step with no drafts either way run as a no-spec step on this runner? (and if not, why)"""
+    if getattr(runner, "use_async_scheduling", True):
+        return False, "async scheduling carries draft state between steps"
+    if getattr(getattr(runner, "model_config", None), "is_hybrid", True):
+        return False, "a hybrid (recurrent) model keeps zero-draft decode rows speculative"
+    return True, ""
+
+
 class _Hook:
     """The worker half: follows the k the engine core's scheduler chose (SchedulerOutput
     .num_spec_tokens_to_schedule) and makes a k = 0 step cost what a no-spec step costs. Wraps one runner
     instance's methods (instance attributes; the class is untouched) and records what it saw."""
 
     def __init__(self, runner: Any, k_max: int):
+        import functools
+
         self.runner, self.k_max = runner, k_max
         self.acceptance = AcceptanceEstimate(k_max)
         self.histogram = [0] * (k_max + 1)
         self.skipped_drafter = 0
         self.plain_sampled_steps = 0
+        self.plain_steps = 0
         self.draft_fetches = 0
+        self.plain_supported, self.plain_unsupported_why = plain_steps_supported(runner)
+        self._plain_pending = False
         orig_propose = runner.propose_draft_token_ids
         orig_take = runner.take_draft_token_ids
         orig_sample_logits = runner._sample
+        orig_execute = runner.execute_model
+        orig_sample_tokens = runner.sample_tokens
         # where vLLM passes spec_decode_metadata (check_runner checked the name), read without binding
         # the whole call on every step
         meta_at = tuple(inspect.signature(orig_propose).parameters).index("spec_decode_metadata") - 2
@@ -572,11 +600,7 @@ class _Hook:
             if meta is not None and any(meta.num_draft_tokens):
                 drafts = [int(d) for d in meta.num_draft_tokens]
                 self.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))
-            k = int(scheduler_output.num_spec_tokens_to_schedule)
-            if not 0 <= k <= self.k_max:
-                raise AdaptiveSpeculationError(f"the scheduler sent num_spec_tokens_to_schedule={k}, outside "
-                                               f"0..{self.k_max}")
-            self.histogram[k] += 1
+            k = self._count_k(scheduler_output)
             if k == 0:
                 # vLLM's runner would still build the drafter's inputs (next tokens, attention metadata)
                 # before the drafter is skipped; no drafts are needed, so none of that is done (and the
@@ -601,9 +625,56 @@ class _Hook:
             self.draft_fetches += 1    # the engine core's fetch (a round trip with the mp executor)
             return orig_take()
 
+        @functools.wraps(orig_execute)
+        def execute_model(scheduler_output, *args, **kwargs):
+            # Nothing to verify and nothing to propose: run the step as vLLM runs it without speculation
+            # (its runner tests `speculative_config is not None` to take the speculative path).
+            self._plain_pending = False
+            if (not self.plain_supported or scheduler_output.scheduled_spec_decode_tokens
+                    or scheduler_output.num_spec_tokens_to_schedule):
+                return orig_execute(scheduler_output, *args, **kwargs)
+            out = self._without_speculation(orig_execute, scheduler_output, *args, **kwargs)
+            state = runner.execute_model_state
+            if state is None:    # an empty step (nothing scheduled): no sample_tokens follows
+                return out
+            for name in STATE_FIELDS:
+                _require(getattr(state, name) is None,
+                         f"with speculative_config=None, {type(runner).__name__}.execute_model still built "
+                         f"{name}, so a k = 0 step cannot run as a no-spec step")
+            self._count_k(scheduler_output)
+            self.skipped_drafter += 1
+            self.plain_steps += 1
+            self._plain_pending = True
+            return out
+
+        @functools.wraps(orig_sample_tokens)
+        def sample_tokens(*args, **kwargs):
+            if not self._plain_pending:
+                return orig_sample_tokens(*args, **kwargs)
+            self._plain_pending = False
+            return self._without_speculation(orig_sample_tokens, *args, **kwargs)
+
         runner._sample = sample_logits
         runner.propose_draft_token_ids = propose_draft_token_ids
         runner.take_draft_token_ids = take_draft_token_ids
+        runner.execute_model = execute_model
+        runner.sample_tokens = sample_tokens
+
+    def _count_k(self, scheduler_output: Any) -> int:
+        k = int(scheduler_output.num_spec_tokens_to_schedule)
+        if not 0 <= k <= self.k_max:
+            raise AdaptiveSpeculationError(f"the scheduler sent num_spec_tokens_to_schedule={k}, outside "
+                                           f"0..{self.k_max}")
+        self.histogram[k] += 1
+        return k
+
+    def _without_speculation(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = self.runner.speculative_config
+        self.runner.speculative_config = None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.runner.speculative_config = spec
 
     def stats(self) -> dict[str, Any]:
         steps = sum(self.histogram)
@@ -611,7 +682,7 @@ class _Hook:
                 "k_histogram": list(self.histogram), "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
                 "skipped_drafter_steps": self.skipped_drafter, "plain_sampled_steps": self.plain_sampled_steps,
-                "draft_fetches": self.draft_fetches}
+                "plain_steps": self.plain_steps, "draft_fetches": self.draft_fetches}
 
 
 def install(runner: Any) -> _Hook:
@@ -623,6 +694,9 @@ def install(runner: Any) -> _Hook:
     hook = _Hook(runner, k)
     runner._skyrl_adaptive_hook = hook
     logger.info("skyrl_mtp adaptive speculation (worker half) installed on %s (k_max=%d)", type(runner).__name__, k)
+    if not hook.plain_supported:
+        logger.info("skyrl_mtp adaptive speculation: k = 0 steps keep vLLM's speculative bookkeeping (%s)",
+                    hook.plain_unsupported_why)
     return hook
 
 

@@ -86,7 +86,8 @@ class WeightSyncExtension:
         from skyrl_mtp.rollout import adaptive_speculation
 
         hook = adaptive_speculation.install(self.model_runner)
-        return {"k_max": hook.k_max, "runner": type(self.model_runner).__name__}
+        return {"k_max": hook.k_max, "runner": type(self.model_runner).__name__,
+                "plain_k0_steps": hook.plain_supported}
 
     def skyrl_adaptive_speculation_stats(self) -> dict:
         hook = getattr(self.model_runner, "_skyrl_adaptive_hook", None)

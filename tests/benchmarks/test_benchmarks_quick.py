@@ -92,6 +92,6 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
             ms = row["runner_ms_per_step"]   # measured in the engine's worker, phases nested as documented
             assert 0 < ms["_model_forward"] < ms["execute_model"] and 0 < ms["_prepare_inputs"] < ms["execute_model"], ms
             assert 0 < ms["_sample"] < ms["sample_tokens"] and ms["_bookkeeping_sync"] < ms["sample_tokens"], ms
-            # a speculative runner calls its drafter every step (the adaptive hook returns at once at k = 0), no spec never
+            # the oracle's engines draft (auto too: its drafts all land), no spec never
             assert (ms["propose_draft_token_ids"] == 0) == (row["k"] == 0), ms
     print(f"{script} --quick: {seconds:.1f}s")

@@ -52,9 +52,39 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     assert len(hist) == 4 and sum(hist) == stats["steps"] > 0
     assert sum(1 for h in hist if h) >= 3, hist        # calibration cycled k over 0..3 and the policy chose
     assert stats["skipped_drafter_steps"] == hist[0]    # k = 0: the drafter did not run
-    assert stats["plain_sampled_steps"] > 0             # steps without drafts took vLLM's plain sampler
+    # k = 0 after k = 0 (nothing to verify, nothing to propose) ran as vLLM's no-spec step
+    assert 0 < stats["plain_steps"] < hist[0], stats
+    assert stats["plain_sampled_steps"] > 0             # other steps without drafts took vLLM's plain sampler
     # the engine core fetched drafts from the worker only after steps that drafted (k = 0: no round trip)
     assert stats["draft_fetches"] == stats["steps"] - hist[0], stats
     # the oracle head: greedy drafts are always accepted, so the live estimate at position 1 is high
     assert stats["acceptance_per_pos"][0] > 0.5, stats
-    assert engine_pool.get("auto").engine_infos[0]["adaptive_speculation"] == {"k_max": 3, "runner": "CPUModelRunner"}
+    assert engine_pool.get("auto").engine_infos[0]["adaptive_speculation"] == {"k_max": 3, "runner": "CPUModelRunner",
+                                                                         "plain_k0_steps": True}
+
+
+def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(engine_pool, random_ckpt):
+    """An untrained head (acceptance ~0): the policy settles at k = 0, and a step with no drafts to verify
+    and none to propose runs as vLLM's no-spec step (no spec-decode metadata, no drafter bookkeeping),
+    with the no-spec engine's tokens."""
+    import ray
+
+    weights = load_file(str(next(random_ckpt.glob("*.safetensors"))))
+    nospec, auto = engine_pool.get("nospec", "auto")
+    nospec.sync_weights(weights)
+    auto.sync_weights(weights)
+    before = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+    prompts = _prompts()
+    for spec in (GREEDY, SAMPLED, GREEDY, SAMPLED):
+        ref = nospec.generate_sync(prompts, spec)
+        outs = auto.generate_sync(prompts, spec)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], f"auto k vs no spec, T={spec.temperature}"
+        for o, r in zip(outs, ref):
+            assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    after = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+    steps = after["steps"] - before["steps"]
+    k0 = after["k_histogram"][0] - before["k_histogram"][0]
+    plain = after["plain_steps"] - before["plain_steps"]
+    assert after["acceptance_per_pos"][0] < before["acceptance_per_pos"][0], (before, after)
+    assert k0 > steps // 2, (before, after)                 # mostly not drafting
+    assert plain > k0 // 2 and plain <= k0, (before, after)  # most of those ran as no-spec steps
