@@ -63,25 +63,31 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
                                                                          "plain_k0_steps": True}
 
 
-def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(engine_pool, random_ckpt):
+def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(engine_pool, random_ckpt, oracle_ckpt):
     """An untrained head (acceptance ~0): the policy settles at k = 0, and a step with no drafts to verify
     and none to propose runs as vLLM's no-spec step (no spec-decode metadata, no drafter bookkeeping),
-    with the no-spec engine's tokens."""
+    with the no-spec engine's tokens. Both engines go back to the ORACLE weights afterwards (test_engines.py
+    uses "nospec" as the oracle's reference)."""
     import ray
 
-    weights = load_file(str(next(random_ckpt.glob("*.safetensors"))))
     nospec, auto = engine_pool.get("nospec", "auto")
-    nospec.sync_weights(weights)
-    auto.sync_weights(weights)
-    before = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
-    prompts = _prompts()
-    for spec in (GREEDY, SAMPLED, GREEDY, SAMPLED):
-        ref = nospec.generate_sync(prompts, spec)
-        outs = auto.generate_sync(prompts, spec)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], f"auto k vs no spec, T={spec.temperature}"
-        for o, r in zip(outs, ref):
-            assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
-    after = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+    weights = load_file(str(next(random_ckpt.glob("*.safetensors"))))
+    try:
+        nospec.sync_weights(weights)
+        auto.sync_weights(weights)
+        before = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+        prompts = _prompts()
+        for spec in (GREEDY, SAMPLED, GREEDY, SAMPLED):
+            ref = nospec.generate_sync(prompts, spec)
+            outs = auto.generate_sync(prompts, spec)
+            assert [o.token_ids for o in outs] == [r.token_ids for r in ref], f"auto k vs no spec, T={spec.temperature}"
+            for o, r in zip(outs, ref):
+                assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+        after = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+    finally:
+        oracle = load_file(str(next(oracle_ckpt.glob("*.safetensors"))))
+        nospec.sync_weights(oracle)
+        auto.sync_weights(oracle)
     steps = after["steps"] - before["steps"]
     k0 = after["k_histogram"][0] - before["k_histogram"][0]
     plain = after["plain_steps"] - before["plain_steps"]
