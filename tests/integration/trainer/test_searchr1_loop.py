@@ -111,6 +111,7 @@ def test_retriever_killed_mid_run_follows_the_failure_policy(tmp_path, on_failur
     finally:
         retriever.kill()
         run.kill()
+    assert metrics.exists(), f"the run exited with {run.returncode} before it logged a step:\n{err[-4000:]}"
     rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
     assert rows[1]["multi_turn/search_failures"] == 0.0 and rows[1]["multi_turn/num_searches_mean"] > 0.5
     if on_failure == "score":
