@@ -58,6 +58,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
                                            f"{par.pipeline_parallel_size}")
         _require(isinstance(getattr(self, "num_spec_tokens", None), int) and self.num_spec_tokens >= 1,
                  "vLLM's Scheduler has no int `num_spec_tokens` (the engine's k)")
+        _require("self.scheduler.reset_prefix_cache(" in inspect.getsource(EngineCore.reset_prefix_cache),
+                 "EngineCore.reset_prefix_cache no longer calls the scheduler's (a weight sync would not reach "
+                 "the acceptance estimate)")
         self.policy = SpeculationPolicy(k_max=self.num_spec_tokens)
         self._step: _Step | None = None
         self._finished: _Step | None = None
@@ -97,6 +100,12 @@ class AdaptiveSpeculationScheduler(Scheduler):
             self.policy.acceptance.observe(drafts, accepted)
         return super().update_from_output(scheduler_output, model_runner_output)
 
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """Every weight sync ends with a prefix-cache reset (EngineClient.sync_weights, StepSync): the
+        acceptance seen so far was the old weights', so the new ones' drafts soon outweigh it."""
+        self.policy.on_new_weights()
+        return super().reset_prefix_cache(*args, **kwargs)
+
     def drafted_nothing(self) -> bool:
         return self._step is not None and self._step.k == 0
 
@@ -118,7 +127,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
 def install_post_step_guard() -> None:
     """Wrap EngineCore.post_step (once per process) so that, with this scheduler, a step that drafted
     nothing does not fetch drafts from the worker, and every step's end is timed. Other schedulers pass
-    straight through."""
+    straight through. Also adds the engine-core utility that reports the policy's state."""
     orig = EngineCore.post_step
     if getattr(orig, "_skyrl_adaptive", False):
         return
@@ -148,3 +157,18 @@ def install_post_step_guard() -> None:
 
     post_step._skyrl_adaptive = True  # type: ignore[attr-defined]
     EngineCore.post_step = post_step
+    _require(not hasattr(EngineCore, POLICY_STATS_UTILITY), f"EngineCore already has a `{POLICY_STATS_UTILITY}`")
+    setattr(EngineCore, POLICY_STATS_UTILITY, _policy_stats)
+
+
+POLICY_STATS_UTILITY = "skyrl_adaptive_policy_stats"
+
+
+def _policy_stats(self: Any) -> dict[str, Any] | None:
+    """An engine-core utility (AsyncLLM.engine_core.call_utility_async(POLICY_STATS_UTILITY)): the state
+    of the policy that chooses k (acceptance it decides on, k histogram, calibrated buckets), or None when
+    this engine core's scheduler is not the adaptive one."""
+    sched = self.scheduler
+    if not isinstance(sched, AdaptiveSpeculationScheduler):
+        return None
+    return {**sched.policy.stats(), "fetches_skipped": sched.fetches_skipped}

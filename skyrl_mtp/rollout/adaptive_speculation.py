@@ -8,18 +8,22 @@ chosen per engine step to maximise expected tokens per second, from
 
 - live per-position acceptance, measured from what the rejection sampler kept (conditional: position i
   counts only requests whose drafts 1..i-1 were all accepted), with decay so it follows the head as it
-  improves, and
+  improves, and its weight cut to a few steps' worth at each weight sync (the next head's drafts soon
+  outweigh the last one's), and
 - a cost model fitted online on the running engine: whole-step time as a linear function of the tokens
   verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k,
   with the uncertainty of its predictions: a batch bucket leaves the k it runs at only when the other k
   wins by more than one standard error of their cost difference, so a few slow steps on a busy machine,
-  or a fit extrapolated to a batch it has not timed, do not start drafting where it does not pay.
+  or a fit extrapolated to a batch it has not timed, do not start drafting where it does not pay. Its
+  costs per k are made non-decreasing by isotonic regression weighted by how sure it is of each, and a
+  step timed far beyond its prediction (a stall) counts as a bounded slow step.
 
 Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of
 each new batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing
-off while probes change nothing) runs a neighbour of the best k (one deeper, then one shallower) for two
-steps, so the next position's acceptance and the cost of both neighbours stay measured as the head and the
-batch change. At k = 0 the drafter does not run; its KV cache then has holes at the positions of those steps,
+off while probes change nothing) runs, in turn, a neighbour of the best k (one shallower, one deeper) or
+k = 0 for two steps, so the next position's acceptance and the costs stay measured as the head and the
+batch change; and a k that may beat the best one within the fit's standard error is timed again soon (a
+challenge), so doubt does not hold the engine at a k the evidence has turned against. At k = 0 the drafter does not run; its KV cache then has holes at the positions of those steps,
 which may lower later acceptance but never changes the emitted tokens (the target verifies every draft),
 and the measured acceptance sees that effect.
 
@@ -43,7 +47,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +111,17 @@ class AcceptanceEstimate:
             if att[i]:   # decay only positions that get new evidence: unprobed positions keep their estimate
                 self.attempts[i] = self.attempts[i] * self.decay + att[i]
                 self.accepts[i] = self.accepts[i] * self.decay + acc[i]
+
+    def refresh(self, max_attempts: float) -> None:
+        """New weights: keep each position's rate but let it weigh at most `max_attempts` attempts, so the
+        new head's own drafts outweigh the old head's within a few steps (decay alone takes ~1 / (1 - decay)
+        steps, a whole rollout at a small batch, to forget a head that stopped being accepted)."""
+        for i in range(self.k_max):
+            if self.attempts[i] > max_attempts:
+                scale = max_attempts / self.attempts[i]
+                self.attempts[i] *= scale
+                self.accepts[i] *= scale
+        self.version += 1
 
     def rates(self) -> list[float]:
         return [(self.accepts[i] + self.prior_rate * self.prior_weight) / (self.attempts[i] + self.prior_weight)
@@ -182,6 +197,10 @@ class OnlineLinearFit:
         until more samples than parameters were seen."""
         return self._solution().variance
 
+    def predict_sd(self, x: list[float]) -> float:
+        """Standard error of predict(x): infinite until the fit has seen enough samples along x."""
+        return self.difference_sd(x, [0.0] * self.dim)
+
     def difference_sd(self, x_a: list[float], x_b: list[float]) -> float:
         """Standard error of predict(x_a) - predict(x_b): large where the samples barely tell the two apart
         (few of them, or noisy), infinite along a direction no sample has explored."""
@@ -226,11 +245,19 @@ class CostModel:
     global_fit: OnlineLinearFit = field(default_factory=lambda: OnlineLinearFit(6))
     buckets: dict[int, OnlineLinearFit] = field(default_factory=dict)
     seen_k: dict[int, set[int]] = field(default_factory=dict)
+    stall_ratio: float = 1.5
+    _tables: dict[tuple, dict] = field(default_factory=dict, repr=False)
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
         """A steady step: it verified drafts proposed at the same k it now drafts (the previous step's k
-        equals this one's), so its time is what a run at k costs per step, rejection sampling included."""
+        equals this one's), so its time is what a run at k costs per step, rejection sampling included. Once
+        the bucket has a fit of its own, a time beyond `stall_ratio` x its prediction counts as that much:
+        timings are skewed (a step is never faster than its work, often slower while the machine does
+        something else), and with a few samples per k one stall would move that k's cost for a long time.
+        Only the slow side is clipped, so a prediction that came out too high is corrected at once."""
         x = step_features(num_tokens, batch, k)
+        if self.covers(batch):   # a stall (the machine was busy) is not what the step costs
+            seconds = min(seconds, self.stall_ratio * max(self._fit(batch).predict(x), 1e-6))
         self.global_fit.add(x, seconds)
         b = bucket(batch)
         self.buckets.setdefault(b, OnlineLinearFit(6)).add(x, seconds)
@@ -250,14 +277,47 @@ class CostModel:
         fit = self._fit(batch)
         return fit, fit.solves()
 
+    def _memo(self, batch: int, what: tuple, compute: Callable[[OnlineLinearFit], Any]) -> Any:
+        """The fit's answers change only when it is solved again; the policy asks every step (with the
+        acceptance moving each drafting step), and each answer costs small numpy solves."""
+        fit = self._fit(batch)
+        key = (id(fit), fit.solves(), batch)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) > 64:
+                self._tables.clear()
+            table = self._tables[key] = {}
+        if what not in table:
+            table[what] = compute(fit)
+        return table[what]
+
     def step_seconds(self, batch: int, k: int) -> float:
         """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
-        return max(self._fit(batch).predict(step_features(batch * (1 + k), batch, k)), 1e-6)
+        return self._memo(batch, ("s", k),
+                          lambda fit: max(fit.predict(step_features(batch * (1 + k), batch, k)), 1e-6))
+
+    def step_sd(self, batch: int, k: int) -> float:
+        """Standard error of step_seconds(batch, k)."""
+        return self._memo(batch, ("sd", k), lambda fit: fit.predict_sd(step_features(batch * (1 + k), batch, k)))
+
+    def monotone_step_seconds(self, batch: int) -> list[float]:
+        """step_seconds for k = 0..k_max made non-decreasing in k (a step with more drafts does strictly
+        more work) by weighted isotonic regression: where the fit calls a deeper step cheaper, the
+        predictions involved are pooled, each weighted by how sure the fit is of it (1 / its variance). So
+        a k timed rarely and slowly once (k = 0 while the engine drafts) does not make every deeper step
+        look as dear as it, and free to draft; nor does a fast outlier make drafting look free."""
+        def compute(_fit: OnlineLinearFit) -> list[float]:
+            values = [self.step_seconds(batch, k) for k in range(self.k_max + 1)]
+            sds = [self.step_sd(batch, k) for k in range(self.k_max + 1)]
+            weights = ([1.0] * len(values) if any(math.isinf(v) or v <= 0 for v in sds)
+                       else [1.0 / (v * v) for v in sds])
+            return isotonic(values, weights)
+        return list(self._memo(batch, ("mono",), compute))
 
     def difference_sd(self, batch: int, k: int, j: int) -> float:
         """Standard error of step_seconds(batch, k) - step_seconds(batch, j), from the same fit."""
-        return self._fit(batch).difference_sd(step_features(batch * (1 + k), batch, k),
-                                              step_features(batch * (1 + j), batch, j))
+        return self._memo(batch, ("d", k, j), lambda fit: fit.difference_sd(
+            step_features(batch * (1 + k), batch, k), step_features(batch * (1 + j), batch, j)))
 
     def draft_seconds_floor(self, batch: int, k: int) -> float:
         """What k drafts per request add to a step at least, known from timings: their extra time over k = 0
@@ -270,23 +330,33 @@ class CostModel:
         return max(self.step_seconds(ref, k) - self.step_seconds(ref, 0), 0.0)
 
 
+def isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
+    violators)."""
+    blocks: list[list[float]] = []      # [weighted mean, weight, length]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [m for m, _, n in blocks for _ in range(int(n))]
+
+
 def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
            incumbent: int = 0) -> tuple[int, list[float]]:
     """The k with the most expected tokens per second per request (ties -> smaller k), and the predicted
     rates per k.
 
-    A step with more drafts does strictly more work, so the predicted cost is made non-decreasing in k: a
-    fit from noisy timings (a loaded machine) can otherwise predict a deeper step to be cheaper and pick k
-    where the drafts buy nothing. And a k other than the `incumbent` (the k chosen last at this batch; k = 0,
+    A step with more drafts does strictly more work, so the predicted cost is made non-decreasing in k
+    (CostModel.monotone_step_seconds): a fit from noisy timings (a loaded machine) can otherwise predict a
+    deeper step to be cheaper and pick k where the drafts buy nothing. And a k other than the `incumbent` (the k chosen last at this batch; k = 0,
     no drafting, before any) must win after its cost is raised by one standard error of how much it costs
     more than the incumbent (a shallower k: at most the incumbent's cost). A fit resting on a few timed
     steps, one of them slow, or one that extrapolates to a batch it has not timed, is not enough evidence
     to switch. As timings of both settings accumulate the margin shrinks, so a real gain is still taken."""
-    costs, rates, floor = [], [], 0.0
-    for k in range(k_max + 1):
-        floor = max(floor, cost.step_seconds(batch, k))
-        costs.append(floor)
-        rates.append(expected_tokens(alphas, k) / floor)
+    costs = cost.monotone_step_seconds(batch)
+    rates = [expected_tokens(alphas, k) / costs[k] for k in range(k_max + 1)]
     judged = []
     for k in range(k_max + 1):
         doubt = cost.difference_sd(batch, k, incumbent) if k != incumbent else 0.0
@@ -295,6 +365,26 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
         judged.append(expected_tokens(alphas, k) / dear)
     best = max(range(k_max + 1), key=lambda k: (judged[k], -k))
     return best, rates
+
+
+def plausible_rival(alphas: list[float], cost: CostModel, batch: int, k_max: int, best: int,
+                    rates: list[float]) -> int:
+    """A k that may beat `best` by more than the fit can rule out: its tokens per second with its cost one
+    standard error (of its difference to best) in its favour exceed best's. The one with the highest such
+    rate, or -1 when there is none."""
+    top, rival = rates[best], -1
+    for k in range(k_max + 1):
+        if k == best:
+            continue
+        sd = cost.difference_sd(batch, k, best)
+        if math.isinf(sd):
+            continue
+        e = expected_tokens(alphas, k)
+        c = max(e / rates[k] - sd, 1e-9)     # rates[k] = e / (k's monotone cost)
+        r = e / c
+        if r > top:
+            top, rival = r, k
+    return rival
 
 
 def regret_seconds(alphas: list[float], cost: CostModel, batch: int, k: int, best: int) -> float:
@@ -323,7 +413,11 @@ class SpeculationPolicy:
     watching) and the cycle fits the exploration budget (below).
 
     Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
-    beyond one standard error of the cost fit.
+    beyond one standard error of the cost fit. Challenges: a k that could beat that choice within the
+    standard error (plausible_rival) runs two steps, at most once per `challenge_every` steps and within
+    the exploration budget, until the evidence settles it either way.
+
+    New weights (`on_new_weights`): the acceptance evidence is cut to `refresh_attempts` drafts per position.
 
     Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
     Probes and bucket calibrations share one budget: each runs only when its predicted regret (regret_seconds:
@@ -338,6 +432,8 @@ class SpeculationPolicy:
     min_gain: float = 0.1
     calibrate_within: float = 0.25
     explore_budget: float = 0.02
+    challenge_every: int = 4
+    refresh_attempts: float = 16.0
     acceptance: AcceptanceEstimate = None  # type: ignore[assignment]
     cost: CostModel = None  # type: ignore[assignment]
     steps: int = 0
@@ -353,7 +449,8 @@ class SpeculationPolicy:
     _last_best: int = -1
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
-    _memo: tuple[tuple, int] | None = None
+    _memo: tuple[tuple, tuple[int, int]] | None = None
+    _next_challenge_at: int = 0
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -400,7 +497,10 @@ class SpeculationPolicy:
                                           self.steps + self._interval)
             self._last_best = k
             self._spent += self.cost.step_seconds(max(batch, 1), k)
-            if self.probe_every and self.steps >= self._next_probe_at:   # measure another k (never the best)
+            rival = self._memo[1][1] if self._memo else -1
+            if rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
+                k = self._challenge(k, rival, max(batch, 1))
+            elif self.probe_every and self.steps >= self._next_probe_at:   # measure another k (never the best)
                 k = self._probe_step(k, max(batch, 1))
         self.chosen_sum += k
         self.chosen_count += 1
@@ -413,8 +513,10 @@ class SpeculationPolicy:
         b = bucket(batch)
         key = (batch, self._incumbent.get(b, 0), self.cost.state(batch), self.acceptance, self.acceptance.version)
         if self._memo is None or self._memo[0] != key:
-            self._memo = (key, best_k(self.acceptance.rates(), self.cost, batch, self.k_max, key[1])[0])
-        return self._memo[1]
+            alphas = self.acceptance.rates()
+            best, rates = best_k(alphas, self.cost, batch, self.k_max, key[1])
+            self._memo = (key, (best, plausible_rival(alphas, self.cost, batch, self.k_max, best, rates)))
+        return self._memo[1][0]
 
     def _calibration_due(self, batch: int) -> bool:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
@@ -451,6 +553,21 @@ class SpeculationPolicy:
                              base + self.cost.draft_seconds_floor(batch, k))
                          for k in range(1, self.k_max + 1)]
 
+    def _challenge(self, best: int, rival: int, batch: int) -> int:
+        """Two steps at a plausible rival (plausible_rival: it may beat the best k within the fit's standard
+        error), when its predicted regret fits the exploration budget, at most once per `challenge_every`
+        steps. The margin that keeps the incumbent (best_k) shrinks only as both ks are timed, and the
+        probes' interval backs off to hundreds of steps; without this, a k the fit has timed a few times
+        (k = 0 after a head that was accepted well stops being accepted) could keep losing to the incumbent
+        on doubt alone for as long."""
+        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, rival, best)
+        if extra > self.explore_budget * (self._spent - self._spent_at_probe):
+            return best
+        self._spent_at_probe = self._spent
+        self._next_challenge_at = self.steps + self.challenge_every
+        self._queue = [rival]
+        return rival
+
     def _probe_step(self, best: int, batch: int) -> int:
         """Probes back off while they change nothing (the interval doubles up to `probe_every_max` and
         returns to `probe_every` when the best k moves), and wait while their predicted regret exceeds
@@ -470,30 +587,24 @@ class SpeculationPolicy:
         return k
 
     def _next_probe(self, best: int, probe: int) -> int:
-        """A neighbour of the best k, alternately deeper and shallower (the other one at the ends): deeper
-        probes measure the next position's acceptance, shallower ones the cost saved; a neighbour is the
-        cheapest informative probe (from k = 0 only one draft step is paid)."""
-        up, down = best + 1, best - 1
-        if probe % 2 == 0:
-            return up if up <= self.k_max else down
-        return down if down >= 0 else up
+        """In turn: a neighbour of the best k, shallower then deeper, then k = 0 (the ones that exist and
+        differ from the best). Deeper probes measure the next position's acceptance, shallower ones the cost
+        saved; a neighbour is the cheapest informative probe (from k = 0 only one draft step is paid). And
+        k = 0 is the only step that times a step without drafting: the fit cannot tell drafting's fixed cost
+        from the rest of a step otherwise, so a k = 0 timed slow once, or timed long ago, would keep deep
+        drafting looking nearly free when the head stops being accepted."""
+        turns = [k for k in dict.fromkeys((best - 1, best + 1, 0)) if 0 <= k <= self.k_max and k != best]
+        return turns[(probe - 1) % len(turns)]
+
+    def on_new_weights(self) -> None:
+        """The engine got new weights: the acceptance seen so far was the old head's (and target's)."""
+        self.acceptance.refresh(self.refresh_attempts)
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
                 "calibrated_buckets": self.cost.covered_buckets()}
-
-
-def accepted_counts(sampled_token_ids: Any, num_drafts: list[int], placeholder: int = -1) -> list[int]:
-    """Drafts accepted per request from the sampler output (tensor with `placeholder` for rejected
-    slots, or per-request lists of emitted tokens): emitted - 1, clipped to [0, drafts]."""
-    if hasattr(sampled_token_ids, "tolist"):
-        rows = sampled_token_ids.tolist()
-        emitted = [sum(1 for t in row if t != placeholder) for row in rows]
-    else:
-        emitted = [len(row) for row in sampled_token_ids]
-    return [max(0, min(e - 1, d)) for e, d in zip(emitted, num_drafts)]
 
 
 # ----------------------------------------------------------------------------------- the vLLM hook
@@ -577,7 +688,6 @@ class _Hook:
         import functools
 
         self.runner, self.k_max = runner, k_max
-        self.acceptance = AcceptanceEstimate(k_max)
         self.histogram = [0] * (k_max + 1)
         self.skipped_drafter = 0
         self.plain_sampled_steps = 0
@@ -590,16 +700,8 @@ class _Hook:
         orig_sample_logits = runner._sample
         orig_execute = runner.execute_model
         orig_sample_tokens = runner.sample_tokens
-        # where vLLM passes spec_decode_metadata (check_runner checked the name), read without binding
-        # the whole call on every step
-        meta_at = tuple(inspect.signature(orig_propose).parameters).index("spec_decode_metadata") - 2
 
         def propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs):
-            meta = kwargs["spec_decode_metadata"] if "spec_decode_metadata" in kwargs else (
-                args[meta_at] if meta_at < len(args) else None)
-            if meta is not None and any(meta.num_draft_tokens):
-                drafts = [int(d) for d in meta.num_draft_tokens]
-                self.acceptance.observe(drafts, accepted_counts(sampled_token_ids, drafts))
             k = self._count_k(scheduler_output)
             if k == 0:
                 # vLLM's runner would still build the drafter's inputs (next tokens, attention metadata)
@@ -679,8 +781,7 @@ class _Hook:
     def stats(self) -> dict[str, Any]:
         steps = sum(self.histogram)
         return {"steps": steps, "k_sum": float(sum(k * n for k, n in enumerate(self.histogram))),
-                "k_histogram": list(self.histogram), "acceptance_per_pos": self.acceptance.rates(),
-                "attempts_per_pos": list(self.acceptance.attempts),
+                "k_histogram": list(self.histogram),
                 "skipped_drafter_steps": self.skipped_drafter, "plain_sampled_steps": self.plain_sampled_steps,
                 "plain_steps": self.plain_steps, "draft_fetches": self.draft_fetches}
 

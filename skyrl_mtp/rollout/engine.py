@@ -205,10 +205,20 @@ class InferenceEngine:
         return (await self._engine.collective_rpc("skyrl_compiled_graphs"))[0]
 
     async def adaptive_speculation_stats(self) -> dict[str, Any] | None:
-        """The worker's adaptive-speculation state (k histogram, acceptance per position), or None."""
+        """Adaptive speculation's state, or None: what the worker ran (k histogram, drafter skips, plain
+        steps) and, under "policy", the engine core's policy that chooses k; its acceptance per position,
+        the one k is chosen on, is also given at the top level ("acceptance_per_pos", "attempts_per_pos")."""
         if not self.cfg.adaptive_speculation:
             return None
-        return (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
+        from skyrl_mtp.rollout.adaptive_scheduler import POLICY_STATS_UTILITY
+
+        worker = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
+        policy = await self._engine.engine_core.call_utility_async(POLICY_STATS_UTILITY)
+        if policy is None:
+            raise RuntimeError(f"engine {self.engine_index}: adaptive speculation is on but the engine core's "
+                               "scheduler is not skyrl_mtp's adaptive one")
+        return {**worker, "acceptance_per_pos": policy["acceptance_per_pos"],
+                "attempts_per_pos": policy["attempts_per_pos"], "policy": policy}
 
     # ---- weight sync: vLLM's weight-transfer API (the trainer-side engine drives these) --------------
 

@@ -16,6 +16,7 @@ checkpoints by syncing weights, not by starting engines. The named configuration
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,7 +61,17 @@ class EnginePool:
                     try:
                         self._alive[n] = fut.result()
                     except Exception as e:  # noqa: BLE001 - keep the started ones (shut down at the end), raise the first
-                        errors.append(e)
+                        if not _lost_a_port_race(e):
+                            errors.append(e)
+                            continue
+                        # vLLM picks a free port, closes it and binds it again later; with engines and Ray
+                        # starting side by side another process can take it in between: one more try, alone
+                        warnings.warn(f"engine {n!r} lost a port race at start-up ({e!r:.200}); starting it again",
+                                      stacklevel=2)
+                        try:
+                            self._alive[n] = EngineClient.create(self._configs[n]())
+                        except Exception as again:  # noqa: BLE001
+                            errors.append(again)
                 if errors:
                     raise errors[0]
         for n in names:  # mark as most recently used
@@ -74,6 +85,21 @@ class EnginePool:
     def shutdown(self) -> None:
         while self._alive:
             self._alive.pop(next(iter(self._alive))).shutdown()
+
+
+# an engine core that dies in its own process leaves only this in the exception (the cause is in its log)
+PORT_RACE = ("EADDRINUSE", "Address already in use", "Engine core initialization failed")
+
+
+def _lost_a_port_race(error: BaseException) -> bool:
+    """The start may have failed because a port vLLM had found free was taken: the message or one of its
+    causes says so, or says only that the engine core process died while starting."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if any(p in str(seen) for p in PORT_RACE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _spec(**kw) -> TinyModelSpec:

@@ -13,11 +13,11 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     CostModel,
     OnlineLinearFit,
     SpeculationPolicy,
-    accepted_counts,
     best_k,
     dynamic_schedule,
     expected_tokens,
     install,
+    isotonic,
     regret_seconds,
 )
 
@@ -46,6 +46,70 @@ def test_acceptance_follows_a_changing_head_and_keeps_unprobed_positions():
     rates = est.rates()
     assert rates[0] > 0.99
     assert rates[1] == pytest.approx(0.0)   # kept (not decayed towards the prior) until probed again
+
+
+def test_new_weights_keep_the_rates_but_let_the_new_heads_drafts_outweigh_the_old_ones():
+    pol = SpeculationPolicy(k_max=2)
+    for _ in range(60):
+        pol.acceptance.observe([2] * 8, [2] * 8)          # a head whose drafts are all accepted
+    before = pol.acceptance.rates()
+    assert min(pol.acceptance.attempts) > 100
+    version = pol.acceptance.version
+    pol.on_new_weights()
+    assert pol.acceptance.rates() == pytest.approx(before, abs=0.03)   # the prior pulls a little harder
+    assert max(pol.acceptance.attempts) == pytest.approx(pol.refresh_attempts)
+    assert pol.acceptance.version > version               # the memoised choice is computed again
+    kept = pol.acceptance.rates()[1]
+    for _ in range(4):
+        pol.acceptance.observe([2] * 8, [0] * 8)          # the new head's drafts: never accepted
+    assert pol.acceptance.rates()[0] < 0.4                # without the cut: still ~0.9
+    assert pol.acceptance.rates()[1] == kept              # not reached since: kept
+
+
+def test_probes_take_turns_over_the_neighbours_and_k0():
+    pol = SpeculationPolicy(k_max=3)
+    assert [pol._next_probe(2, p) for p in range(1, 7)] == [1, 3, 0, 1, 3, 0]
+    assert [pol._next_probe(3, p) for p in range(1, 5)] == [2, 0, 2, 0]
+    assert [pol._next_probe(1, p) for p in range(1, 5)] == [0, 2, 0, 2]
+    assert [pol._next_probe(0, p) for p in range(1, 3)] == [1, 1]
+
+
+def _engine(pol: SpeculationPolicy, rng: random.Random, batch: int, alphas: list[float], steps: int,
+            seconds, stall: float = 0.05) -> list[int]:
+    """A stand-in engine for the pure policy: per step, the chosen k, drafts accepted per request drawn from
+    `alphas`, and a step time from `seconds(k)` with 10% noise and `stall` of the steps 1.5-3x slower; the
+    time is observed when the step is steady (same k as the one before), as the scheduler does."""
+    ks = []
+    for _ in range(steps):
+        k = pol.choose(batch)
+        if k:
+            accepted = []
+            for _ in range(batch):
+                a = 0
+                while a < k and rng.random() < alphas[a]:
+                    a += 1
+                accepted.append(a)
+            pol.acceptance.observe([k] * batch, accepted)
+        t = seconds(k) * math.exp(rng.gauss(0.0, 0.1)) * (rng.uniform(1.5, 3.0) if rng.random() < stall else 1.0)
+        if ks and ks[-1] == k and pol.timing_valid:
+            pol.cost.observe(batch * (1 + k), batch, k, t)
+        ks.append(k)
+    return ks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_head_that_stops_being_accepted_stops_the_drafting_within_a_rollout(seed):
+    """The engines ran a good head at k ~ 3 (k = 0 timed only in the warm-up), then a weight sync brings a
+    head whose drafts are never accepted: within ~40 steps the engine stops drafting, though k = 0 was
+    timed a few times only and some of those steps stalled."""
+    def seconds(k):
+        return 0.006 + 0.00002 * 8 * (1 + k) + (k > 0) * 0.00096 + max(k - 1, 0) * 0.00066
+    rng = random.Random(seed)
+    pol = SpeculationPolicy(k_max=3)
+    _engine(pol, rng, 8, [0.9, 0.8, 0.8], 34, seconds)
+    pol.on_new_weights()
+    ks = _engine(pol, rng, 8, [0.03, 0.03, 0.03], 120, seconds)
+    assert ks[40:].count(0) > 0.8 * len(ks[40:]), ks
 
 
 def test_online_linear_fit_recovers_a_line_and_forgets():
@@ -88,8 +152,8 @@ def test_one_slow_step_in_a_thin_fit_does_not_make_drafts_look_free():
         return 0.0057 + 0.003 * (k > 0) + 0.002 * max(k - 1, 0) + 0.00002 * 64 * k
     cost = CostModel(k_max=3)
     for rep in range(2):
-        for k in range(3, -1, -1):
-            cost.observe(64 * (1 + k), 64, k, 0.045 if (rep, k) == (1, 0) else seconds(k))
+        for k in range(0, 4) if rep == 0 else range(3, -1, -1):   # the slow step: before the bucket has a fit
+            cost.observe(64 * (1 + k), 64, k, 0.045 if (rep, k) == (0, 0) else seconds(k))
     weak = [0.04, 0.04, 0.04]
     best, rates = best_k(weak, cost, 64, 3)
     assert max(range(4), key=rates.__getitem__) > 0, rates   # on the fit alone a draft would look free
@@ -100,6 +164,48 @@ def test_one_slow_step_in_a_thin_fit_does_not_make_drafts_look_free():
     assert cost.step_seconds(64, 0) < 1.15 * seconds(0)
     assert best_k(weak, cost, 64, 3)[0] == 0
     assert best_k([0.9, 0.9, 0.9], cost, 64, 3)[0] == 2      # a good head's gain is beyond the margin
+
+
+def test_a_stall_after_the_bucket_has_a_fit_counts_as_a_bounded_slow_step():
+    def seconds(k):
+        return 0.006 + 0.002 * (k > 0) + 0.001 * max(k - 1, 0)
+    cost = CostModel(k_max=3)
+    for k in (3, 2, 1, 0, 3, 2, 1, 0):
+        cost.observe(8 * (1 + k), 8, k, seconds(k))
+    assert cost.covers(8)
+    cost.observe(8, 8, 0, 0.5)                     # the machine stalled for half a second
+    assert cost.step_seconds(8, 0) < 0.006 * (1 + (cost.stall_ratio - 1) / 2)   # clipped to 1.5x, one of 3
+    too_high = cost.step_seconds(8, 0)
+    cost.observe(8, 8, 0, 0.005)                   # the fast side is not clipped: a high estimate comes down
+    assert cost.step_seconds(8, 0) < too_high - 0.0003
+
+
+def test_isotonic_pools_violators_by_weight():
+    assert isotonic([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
+    assert isotonic([3.0, 1.0, 2.0], [1, 1, 1]) == pytest.approx([2.0, 2.0, 2.0])
+    assert isotonic([9.0, 1.0, 2.0], [1, 99, 100]) == pytest.approx([1.08, 1.08, 2.0])   # the sure one wins
+    assert isotonic([1.0, 3.0, 2.0, 4.0], [1, 1, 3, 1]) == pytest.approx([1.0, 2.25, 2.25, 4.0])
+
+
+def test_monotone_costs_trust_the_ks_the_fit_is_sure_of():
+    """k = 0 timed twice, slowly (at the start of the warm-up), while the engine drafted at k = 1..3 for
+    many steps: the deeper costs are not lifted to k = 0's, which would make every draft look free."""
+    rng = random.Random(3)
+    def seconds(k):
+        return 0.006 + 0.002 * (k > 0) + 0.001 * max(k - 1, 0)
+    cost = CostModel(k_max=3)
+    cost.observe(8, 8, 0, 0.012)
+    cost.observe(8, 8, 0, 0.011)
+    for i in range(120):
+        k = 1 + i % 3
+        cost.observe(8 * (1 + k), 8, k, seconds(k) * rng.uniform(0.9, 1.1))
+    raw = [cost.step_seconds(8, k) for k in range(4)]
+    assert raw[0] > raw[3]
+    mono = cost.monotone_step_seconds(8)
+    assert mono == sorted(mono)
+    assert mono[3] == pytest.approx(raw[3], rel=0.02)       # k = 3, timed often, keeps its own cost
+    assert mono[0] < 0.5 * (raw[0] + raw[3])                # k = 0, timed twice, gives way
+    assert best_k([0.03] * 3, cost, 8, 3, incumbent=3)[0] < 3   # a useless head stops drafting deep
 
 
 def test_best_k_keeps_the_incumbent_until_the_evidence_is_beyond_one_standard_error():
@@ -362,14 +468,6 @@ def test_an_extrapolated_bucket_is_not_calibrated_where_drafts_already_cost_too_
     assert pol.cost.difference_sd(16, 1, 0) > pol.cost.step_seconds(16, 1) - pol.cost.step_seconds(16, 0)
     assert pol.cost.draft_seconds_floor(16, 1) == pytest.approx(0.030, rel=0.2)
     assert [pol.choose(16) for _ in range(10)] == [0] * 10 and not pol._cycled
-
-
-def test_accepted_counts_from_padded_tensor_and_lists():
-    import torch
-
-    sampled = torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1], [1, 2, 3, 4]])
-    assert accepted_counts(sampled, [3, 3, 3]) == [1, 0, 3]
-    assert accepted_counts([[5, 6], [7], []], [3, 3, 0]) == [1, 0, 0]
 
 
 def test_dynamic_schedule_covers_every_batch_size():
