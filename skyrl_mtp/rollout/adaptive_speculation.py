@@ -414,8 +414,8 @@ class SpeculationPolicy:
 
     Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
     beyond one standard error of the cost fit. Challenges: a k that could beat that choice within the
-    standard error (plausible_rival) runs two steps, at most once per `challenge_every` steps and within
-    the exploration budget, until the evidence settles it either way.
+    standard error (plausible_rival) runs two steps, `challenge_every` steps after the choice moved and then
+    at doubling gaps while it stays, within the exploration budget, until the evidence settles it.
 
     New weights (`on_new_weights`): the acceptance evidence is cut to `refresh_attempts` drafts per position.
 
@@ -451,6 +451,7 @@ class SpeculationPolicy:
     _spent_at_probe: float = 0.0
     _memo: tuple[tuple, tuple[int, int]] | None = None
     _next_challenge_at: int = 0
+    _challenge_gap: int = 0
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -493,6 +494,7 @@ class SpeculationPolicy:
             self._incumbent[b] = k
             if k != self._last_best or not self._interval:   # the choice moved: watch closely again
                 self._interval = self.probe_every
+                self._challenge_gap = self.challenge_every
                 self._next_probe_at = min(self._next_probe_at or self.steps + self._interval,
                                           self.steps + self._interval)
             self._last_best = k
@@ -555,8 +557,10 @@ class SpeculationPolicy:
 
     def _challenge(self, best: int, rival: int, batch: int) -> int:
         """Two steps at a plausible rival (plausible_rival: it may beat the best k within the fit's standard
-        error), when its predicted regret fits the exploration budget, at most once per `challenge_every`
-        steps. The margin that keeps the incumbent (best_k) shrinks only as both ks are timed, and the
+        error), when its predicted regret fits the exploration budget, `challenge_every` steps after the
+        choice moved, then backing off (the gap doubles, up to `probe_every_max`) while the choice stays:
+        a rival that keeps looking plausible on a noisy machine costs a shrinking share of the steps (each
+        challenge also costs a step back that verifies its drafts, outside the model). The margin that keeps the incumbent (best_k) shrinks only as both ks are timed, and the
         probes' interval backs off to hundreds of steps; without this, a k the fit has timed a few times
         (k = 0 after a head that was accepted well stops being accepted) could keep losing to the incumbent
         on doubt alone for as long."""
@@ -564,7 +568,8 @@ class SpeculationPolicy:
         if extra > self.explore_budget * (self._spent - self._spent_at_probe):
             return best
         self._spent_at_probe = self._spent
-        self._next_challenge_at = self.steps + self.challenge_every
+        self._next_challenge_at = self.steps + self._challenge_gap
+        self._challenge_gap = min(2 * self._challenge_gap, max(self.probe_every_max, self.challenge_every))
         self._queue = [rival]
         return rival
 
