@@ -1,4 +1,9 @@
-"""The one helper the trainer, the policy workers and the retriever share for local networking."""
+"""The one helper the trainer, the policy workers and the retriever share for local networking.
+
+A rendezvous port is published to other processes before its server starts. `free_port` only says a port
+was free a moment ago (another process may bind it before the server does); `listening_socket` holds the
+port from the moment it is picked, so whoever serves it takes over that socket and no race remains.
+"""
 
 from __future__ import annotations
 
@@ -10,3 +15,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def listening_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A socket on `host`, bound to a port the OS picked and already listening (its port: `getsockname()[1]`).
+
+    Clients that connect before the server takes the socket over wait in its backlog instead of failing."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock

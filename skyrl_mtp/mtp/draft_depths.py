@@ -8,6 +8,10 @@ last rollout's steps, plus one more: that next depth improves in the background,
 measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null under auto). While
 the engines hardly draft at all, the head trains on every few steps only (trainer.mtp.idle_head_train_every):
 kept aligned with the policy for when drafting pays again, at a fraction of the cost.
+
+The shares the trainer passes are those of the k each engine's policy chose, not of the k it ran: its
+probes, challenges and timing cycles run other ks on a small, steady share of the steps, and counted as
+drafting they would keep an engine that has stopped drafting looking busy (and its head training every step).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ weight export and checkpoints. ``PolicyWorker`` (worker.py) is this class as a R
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 class MegatronPolicy:
     def __init__(self, cfg: PolicyWorkerConfig, hf_path: str, rank: int, world_size: int,
-                 master_addr: str, master_port: int):
+                 master_addr: str, master_port: int, listen_socket: socket.socket | None = None):
         if cfg.tp * cfg.dp != world_size:
             raise ValueError(f"PolicyWorkerConfig tp*dp = {cfg.tp}*{cfg.dp} must equal world_size={world_size}")
         self.cfg, self.hf_path, self.rank = cfg, str(hf_path), rank
@@ -89,7 +90,7 @@ class MegatronPolicy:
 
         self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         tp=cfg.tp, seed=cfg.seed, device=self.device)
+                         tp=cfg.tp, seed=cfg.seed, device=self.device, listen_socket=listen_socket)
         from megatron.core import parallel_state as ps
 
         disable_native_mtp_loss()

@@ -27,21 +27,30 @@ class PolicyWorker(PolicySenderMixin, MegatronPolicy):   # the mixin: the traine
                  master_port: int | None = None):
         self._pending = (cfg, hf_path, rank, world_size)
         self.rank = rank
+        self._listen_socket = None
         if master_addr is not None:
             self.join(master_addr, master_port)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This actor's node address and a TCP port free on it: where the ranks meet when this is rank 0."""
-        from ..net import free_port
+        """This actor's node address and a port on it where the ranks meet when this is rank 0. The port is
+        held (a listening socket) until ``join`` serves the rendezvous on it: no other process can take it."""
+        from ..net import listening_socket
 
         ip = node_address()
-        return ip, free_port(ip)
+        if self._listen_socket is not None:
+            self._listen_socket.close()
+        self._listen_socket = listening_socket(ip)
+        return ip, self._listen_socket.getsockname()[1]
 
     def join(self, master_addr: str, master_port: int) -> int:
         if self._pending is None:
             raise RuntimeError(f"policy rank {self.rank} has already joined its process group")
         cfg, hf_path, rank, world_size = self._pending
-        MegatronPolicy.__init__(self, cfg, hf_path, rank, world_size, master_addr, master_port)
+        sock, self._listen_socket = self._listen_socket, None
+        if sock is not None and (rank != 0 or sock.getsockname()[1] != master_port):
+            sock.close()   # this rank is not where the ranks meet (the caller chose another address)
+            sock = None
+        MegatronPolicy.__init__(self, cfg, hf_path, rank, world_size, master_addr, master_port, listen_socket=sock)
         self._pending = None
         return self.rank
 

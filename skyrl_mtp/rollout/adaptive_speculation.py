@@ -55,8 +55,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
-                  "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata")
+PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids")   # the leading ones: the hook reads these, passes the rest
+# vLLM's dynamic speculative decoding hands the drafter each step's k (the runner, not the hook, calls it)
 DRAFTER_PROPOSE_PARAMS = ("num_speculative_tokens", "common_attn_metadata")
 SAMPLE_PARAMS = ("logits", "spec_decode_metadata")
 STATE_FIELDS = ("spec_decode_metadata", "spec_decode_common_attn_metadata")
@@ -440,7 +440,9 @@ class SpeculationPolicy:
     _probe: int = 0
     chosen_sum: float = 0.0
     chosen_count: int = 0
-    histogram: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)        # steps per k run
+    model_histogram: list[int] = field(default_factory=list)  # steps per k the model chose (exploration aside)
+    explored_steps: int = 0        # steps run for exploration: warm-up, calibration cycles, probes, challenges
     _queue: list[int] = field(default_factory=list)
     _cycled: set[int] = field(default_factory=set)           # buckets given a calibration cycle after warm-up
     _incumbent: dict[int, int] = field(default_factory=dict)  # per bucket: the k the model chose last
@@ -461,6 +463,7 @@ class SpeculationPolicy:
         if self.cost is None:
             self.cost = CostModel(self.k_max)
         self.histogram = [0] * (self.k_max + 1)
+        self.model_histogram = [0] * (self.k_max + 1)
 
     @property
     def timing_valid(self) -> bool:
@@ -487,10 +490,12 @@ class SpeculationPolicy:
             self._cycled.add(b)
             self._queue = self._cycle()
             self._spent_at_probe = self._spent
-        if self._queue:
+        queued = bool(self._queue)
+        if queued:
             k = self._queue.pop(0)
+            chosen = self._incumbent.get(b, 0)
         else:
-            k = self._model_choice(max(batch, 1))
+            k = chosen = self._model_choice(max(batch, 1))
             self._incumbent[b] = k
             if k != self._last_best or not self._interval:   # the choice moved: watch closely again
                 self._interval = self.probe_every
@@ -507,6 +512,8 @@ class SpeculationPolicy:
         self.chosen_sum += k
         self.chosen_count += 1
         self.histogram[k] += 1
+        self.model_histogram[chosen] += 1
+        self.explored_steps += int(queued or k != chosen)
         return k
 
     def _model_choice(self, batch: int) -> int:
@@ -564,8 +571,7 @@ class SpeculationPolicy:
         probes' interval backs off to hundreds of steps; without this, a k the fit has timed a few times
         (k = 0 after a head that was accepted well stops being accepted) could keep losing to the incumbent
         on doubt alone for as long."""
-        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, rival, best)
-        if extra > self.explore_budget * (self._spent - self._spent_at_probe):
+        if not self._two_steps_affordable(rival, best, batch):
             return best
         self._spent_at_probe = self._spent
         self._next_challenge_at = self.steps + self._challenge_gap
@@ -581,8 +587,7 @@ class SpeculationPolicy:
         k = self._next_probe(best, self._probe + 1)
         # two steps, the second steady (timed): a probe measures the cost of its k as well as (deeper) the
         # next position's acceptance, so best_k's margin for switching to it shrinks as evidence accumulates
-        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
-        if extra > self.explore_budget * (self._spent - self._spent_at_probe):
+        if not self._two_steps_affordable(k, best, batch):
             return best
         self._probe += 1
         self._spent_at_probe = self._spent
@@ -590,6 +595,12 @@ class SpeculationPolicy:
         self._interval = min(2 * self._interval, max(self.probe_every_max, self.probe_every))
         self._next_probe_at = self.steps + self._interval
         return k
+
+    def _two_steps_affordable(self, k: int, best: int, batch: int) -> bool:
+        """Two steps at k instead of best fit the exploration budget: their predicted regret is within
+        `explore_budget` of the engine time predicted since the last exploration (probe or challenge)."""
+        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
+        return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _next_probe(self, best: int, probe: int) -> int:
         """In turn: a neighbour of the best k, shallower then deeper, then k = 0 (the ones that exist and
@@ -607,6 +618,7 @@ class SpeculationPolicy:
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
+                "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
                 "calibrated_buckets": self.cost.covered_buckets()}
@@ -644,8 +656,8 @@ def check_runner(runner: Any) -> None:
     got = _params(runner._sample)
     _require(got == SAMPLE_PARAMS, f"{name}._sample parameters are {got}, expected {SAMPLE_PARAMS}")
     got = _params(runner.propose_draft_token_ids)
-    _require(all(p in got for p in PROPOSE_PARAMS),
-             f"{name}.propose_draft_token_ids parameters are {got}, expected {PROPOSE_PARAMS}")
+    _require(got[:len(PROPOSE_PARAMS)] == PROPOSE_PARAMS,
+             f"{name}.propose_draft_token_ids parameters are {got}, expected them to start with {PROPOSE_PARAMS}")
     got = _params(runner.drafter.propose)
     _require(all(p in got for p in DRAFTER_PROPOSE_PARAMS),
              f"{type(runner.drafter).__name__}.propose parameters are {got}, expected {DRAFTER_PROPOSE_PARAMS}")

@@ -209,14 +209,15 @@ class EngineClient:
                                "(PolicyEngineLink)")
         sources = {part: DictWeightSource(named_tensors, part) for part in self.sync_parts}
         if self._driver_sender is None:
-            from skyrl_mtp.net import free_port
+            from skyrl_mtp.net import listening_socket
             from skyrl_mtp.rollout.weight_transfer.engine_actors_client import EngineActorsClient
             from skyrl_mtp.rollout.weight_transfer.sender import WeightSender
             from skyrl_mtp.rollout.weight_transfer.transport import trainer_init_info
 
             addr = ray.util.get_node_ip_address()
-            info = trainer_init_info(CPU_BACKEND, rank=0, master_address=addr, master_port=free_port(addr),
-                                     world_size=self.transfer_world_size)
+            sock = listening_socket(addr)
+            info = trainer_init_info(CPU_BACKEND, rank=0, master_address=addr, master_port=sock.getsockname()[1],
+                                     world_size=self.transfer_world_size, listen_socket=sock)
             self._driver_sender = WeightSender(info, EngineActorsClient(self._actors, self.cfg.workers_per_engine),
                                                sources, self.sync_parts, self.schema, self.cfg.dtype)
         return self._driver_sender.push(sources, parts=parts)

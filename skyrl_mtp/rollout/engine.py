@@ -194,9 +194,12 @@ class InferenceEngine:
             prev = cur
         cur = prev   # the last snapshot (stable, or the latest after 50 tries)
         if self.cfg.adaptive_speculation:
-            stats = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
+            stats = await self.adaptive_speculation_stats()
+            policy = stats["policy"]
             cur = replace(cur, speculation_steps=float(stats["steps"]), speculation_k_sum=float(stats["k_sum"]),
-                          speculation_k_hist=tuple(float(n) for n in stats["k_histogram"]))
+                          speculation_k_hist=tuple(float(n) for n in stats["k_histogram"]),
+                          speculation_model_k_hist=tuple(float(n) for n in policy["model_k_histogram"]),
+                          speculation_explored_steps=float(policy["explored_steps"]))
         return cur
 
     async def compiled_graphs(self) -> int:

@@ -43,7 +43,11 @@ class SpecCounters:
     # of the k chosen at them (mean k per step = speculation_k_sum / speculation_steps)
     speculation_steps: float = 0.0
     speculation_k_sum: float = 0.0
-    speculation_k_hist: tuple[float, ...] = ()   # engine steps per chosen k (0..k_max)
+    speculation_k_hist: tuple[float, ...] = ()   # engine steps per k run (0..k_max)
+    # the engine core's policy: its steps per k it chose, exploration aside (a probe, challenge or
+    # calibration step counts at the k it would otherwise have run), and how many steps explored
+    speculation_model_k_hist: tuple[float, ...] = ()
+    speculation_explored_steps: float = 0.0
 
     def _combine(self, other: SpecCounters, sign: float) -> SpecCounters:
         return SpecCounters(
@@ -55,6 +59,8 @@ class SpecCounters:
             speculation_steps=self.speculation_steps + sign * other.speculation_steps,
             speculation_k_sum=self.speculation_k_sum + sign * other.speculation_k_sum,
             speculation_k_hist=_pad_add(self.speculation_k_hist, other.speculation_k_hist, sign),
+            speculation_model_k_hist=_pad_add(self.speculation_model_k_hist, other.speculation_model_k_hist, sign),
+            speculation_explored_steps=self.speculation_explored_steps + sign * other.speculation_explored_steps,
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -120,6 +126,11 @@ def summarize_window(delta: SpecCounters, label: str, num_speculative_tokens: in
         out[p + "speculation_k_mean"] = delta.speculation_k_sum / delta.speculation_steps
         for k, n in enumerate(delta.speculation_k_hist):
             out[p + f"speculation_k_share_{k}"] = n / delta.speculation_steps
+    decided = sum(delta.speculation_model_k_hist)
+    if decided > 0:   # what the policy chose, exploration aside (the trainer's idle-head cadence reads these)
+        for k, n in enumerate(delta.speculation_model_k_hist):
+            out[p + f"speculation_model_k_share_{k}"] = n / decided
+        out[p + "speculation_explored_share"] = delta.speculation_explored_steps / decided
     return out
 
 

@@ -293,7 +293,6 @@ def _run(cfg: DictConfig) -> int:
 
 
 def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokenizer: Any, cache: Path) -> Path:
-    from skyrl_mtp.net import free_port
     from skyrl_mtp.policy.worker import PolicyWorker
     from skyrl_mtp.trainer.warm_start import warm_start
 
@@ -307,8 +306,8 @@ def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokeni
         if lr != wcfg.policy_lr:
             raise ValueError(f"warm start asked for lr={lr}, its worker config has {wcfg.policy_lr}")
         actor = PolicyWorker.options(num_cpus=actor_opts.num_cpus, num_gpus=actor_opts.num_gpus) \
-            .remote(wcfg, str(path), 0, 1, "127.0.0.1", free_port())
-        ray.get(actor.ping.remote())
+            .remote(wcfg, str(path), 0, 1)
+        ray.get(actor.join.remote(*ray.get(actor.rendezvous_address.remote())))
         return actor
 
     root = Path(ws.cache_dir) if ws.cache_dir else cache / "warm_start"

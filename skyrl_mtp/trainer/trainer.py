@@ -228,7 +228,9 @@ class RLTrainer:
         if self.loop.head_max_depths is not None:   # auto k: train the depths the engines drafted, and one more
             from skyrl_mtp.mtp.draft_depths import depths_to_train, engines_idle
 
-            shares = [metrics.get(f"rollout/train/speculation_k_share_{k}", 0.0)
+            # what the engines' policies chose, not the steps they spent exploring other ks: those are a
+            # small, steady share that would otherwise keep an engine that does not draft looking busy
+            shares = [metrics.get(f"rollout/train/speculation_model_k_share_{k}", 0.0)
                       for k in range(self.loop.head_max_depths + 1)]
             head["head_depths"] = depths_to_train(shares, self.loop.head_max_depths)
             # while the engines do not draft, the head keeps up on every few steps (a function of the step

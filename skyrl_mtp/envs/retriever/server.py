@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from skyrl_mtp.envs.retriever.corpus_index import BM25Index
-from skyrl_mtp.net import free_port
+from skyrl_mtp.net import listening_socket
 
 
 class RetrieveRequest(BaseModel):
@@ -82,10 +82,13 @@ def start_retriever_in_thread(corpus: str | Path, *, host: str = "127.0.0.1", po
 
     index = BM25Index.from_jsonl(corpus)
     app = build_app(index, max_topk=max_topk)
-    port = port or free_port(host)
+    sockets = None
+    if not port:   # hold the port from its pick on: the server serves on this very socket
+        sock = listening_socket(host)
+        port, sockets = sock.getsockname()[1], [sock]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     # uvicorn (>= 0.29) skips signal handlers by itself when serving outside the main thread
-    thread = threading.Thread(target=server.run, name=f"retriever-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name=f"retriever-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:

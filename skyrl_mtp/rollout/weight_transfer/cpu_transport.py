@@ -15,8 +15,9 @@ records the session). Registered in both vLLM factories by `registration.registe
 
 from __future__ import annotations
 
+import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -61,17 +62,22 @@ class CPUWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
 @dataclass
 class CPUTrainerInitInfo(TrainerInitInfo):
+    """`listen_socket`: rank 0's socket already bound to `master_port` (the group's store takes it over), or None
+    to bind the port at init (then another process may have taken it since it was picked)."""
     backend: ClassVar[str] = CPU_BACKEND
     master_address: str
     master_port: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    listen_socket: socket.socket | None = field(default=None, repr=False, compare=False)
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+               listen_socket: socket.socket | None = None):
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo",
+                                                          listen_socket=listen_socket,
                                                           timeout=timedelta(seconds=timeout_s))
 
 
@@ -185,11 +191,14 @@ class CPUTrainerWeightTransferEngine(TrainerWeightTransferEngine[CPUTrainerInitI
         worker_init = CPUWeightTransferInitInfo(master_address=init_info.master_address,
                                                 master_port=init_info.master_port, rank_offset=1,
                                                 world_size=init_info.world_size, timeout_s=init_info.timeout_s)
-        with ThreadPoolExecutor(max_workers=1) as exe:   # the workers block in the rendezvous until rank 0 joins
+        exe = ThreadPoolExecutor(max_workers=1)   # the workers block in the rendezvous until rank 0 joins
+        try:
             future = exe.submit(client.init_weight_transfer_engine, asdict(worker_init))
             engine.group = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                      init_info.timeout_s)
+                                      init_info.timeout_s, listen_socket=init_info.listen_socket)
             future.result()
+        finally:
+            exe.shutdown(wait=False)   # if rank 0 failed, say so now, not after the workers' rendezvous times out
         return engine
 
     def send_weights(self) -> None:

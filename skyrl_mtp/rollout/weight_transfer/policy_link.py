@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skyrl_mtp.rollout.weight_transfer.registration import CPU_BACKEND
 from skyrl_mtp.rollout.weight_transfer.transport import needs_rendezvous, trainer_init_info
 
 
@@ -24,13 +25,25 @@ def _agree_over_ranks(problem: str | None) -> str | None:
     return box[0]
 
 
-def _rank0_address(_worker: Any, rendezvous: bool) -> tuple[str, int | None]:
+def _rank0_address(worker: Any, backend: str) -> tuple[str, int | None]:
+    """Rank 0's address and, where the backend meets at a rendezvous, its port. The CPU transport serves the
+    rendezvous on a socket that rank 0 holds from now on (`init_weight_sender` hands it over); vLLM's NCCL
+    trainer endpoint binds the port itself, so for it the port is only known to be free now."""
     import ray
 
-    from skyrl_mtp.net import free_port
+    from skyrl_mtp.net import free_port, listening_socket
 
     addr = ray.util.get_node_ip_address()
-    return addr, (free_port(addr) if rendezvous else None)
+    old = getattr(worker, "_transfer_listen_socket", None)
+    if old is not None:
+        old.close()
+    worker._transfer_listen_socket = None
+    if not needs_rendezvous(backend):
+        return addr, None
+    if backend != CPU_BACKEND:
+        return addr, free_port(addr)
+    worker._transfer_listen_socket = listening_socket(addr)
+    return addr, worker._transfer_listen_socket.getsockname()[1]
 
 
 class PolicySenderMixin:
@@ -51,8 +64,12 @@ class PolicySenderMixin:
             import torch
 
             device = torch.device("cuda", torch.cuda.current_device())
+        sock, self._transfer_listen_socket = getattr(self, "_transfer_listen_socket", None), None
+        if sock is not None and (self.rank != 0 or sock.getsockname()[1] != master_port):
+            sock.close()
+            sock = None
         info = trainer_init_info(backend, rank=self.rank, master_address=master_address, master_port=master_port,
-                                 world_size=world_size)
+                                 world_size=world_size, listen_socket=sock)
         sources = {p: PolicyWeightSource(self.iter_hf_weights, p, device) for p in parts}
         self._weight_sender = WeightSender(info, EngineActorsClient(engine_actors, workers_per_engine), sources,
                                            parts, schema, engine_dtype, agree=_agree_over_ranks)
@@ -72,7 +89,7 @@ class PolicyEngineLink:
 
         self.workers, self.engines = list(policy_workers), engines
         backend = engines.cfg.weight_transfer_backend
-        addr, port = ray.get(self.workers[0].__ray_call__.remote(_rank0_address, needs_rendezvous(backend)))
+        addr, port = ray.get(self.workers[0].__ray_call__.remote(_rank0_address, backend))
         engines.release_driver_sender()   # the engines' workers now join the policy's transfer group
         ray.get([w.init_weight_sender.remote(backend, addr, port, engines.transfer_world_size, engines.actors,
                                              engines.cfg.workers_per_engine, engines.sync_parts, engines.schema,

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from skyrl_mtp.rollout.weight_transfer.registration import CPU_BACKEND
@@ -28,13 +29,17 @@ def needs_rendezvous(backend: str) -> bool:
 
 
 def trainer_init_info(backend: str, *, rank: int, master_address: str | None = None,
-                      master_port: int | None = None, world_size: int | None = None) -> Any:
-    """`world_size` = 1 (the sender) + every engine worker. Wire params: packed, so memory stays bounded."""
+                      master_port: int | None = None, world_size: int | None = None,
+                      listen_socket: socket.socket | None = None) -> Any:
+    """`world_size` = 1 (the sender) + every engine worker. Wire params: packed, so memory stays bounded.
+    `listen_socket`: the socket rank 0 holds on `master_port` (`net.listening_socket`; CPU transport only)."""
+    if listen_socket is not None and backend != CPU_BACKEND:
+        raise ValueError(f"a held rendezvous socket is only used by the {CPU_BACKEND!r} transport, not {backend!r}")
     if backend == CPU_BACKEND:
         from skyrl_mtp.rollout.weight_transfer.cpu_transport import CPUTrainerInitInfo
 
         return CPUTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
-                                  rank=rank)
+                                  rank=rank, listen_socket=listen_socket)
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 

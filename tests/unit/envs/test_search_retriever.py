@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from skyrl_mtp.envs.retriever import EmptyCorpusError, RetrieverClient, RetrieverError
-from skyrl_mtp.envs.retriever.server import free_port, start_retriever_in_thread
+from skyrl_mtp.envs.retriever.server import start_retriever_in_thread
+from skyrl_mtp.net import free_port
 
 DOCS = [
     {"id": "zorbia", "contents": "Zorbia\nThe capital of Zorbia is Quenta."},

@@ -108,3 +108,16 @@ def test_the_wrappers_keep_the_runner_signatures():
     sig = inspect.signature(runner.execute_model), inspect.signature(runner.sample_tokens)
     _Hook(runner, k_max=3)
     assert (inspect.signature(runner.execute_model), inspect.signature(runner.sample_tokens)) == sig
+
+
+def test_the_pinned_vllm_runner_has_what_the_hook_wraps():
+    """check_runner's signature checks hold on the vLLM this project pins (the CPU runner is the GPU one's)."""
+    import inspect
+
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from skyrl_mtp.rollout.adaptive_speculation import PROPOSE_PARAMS, SAMPLE_PARAMS
+
+    propose = tuple(inspect.signature(CPUModelRunner.propose_draft_token_ids).parameters)[1:]
+    assert propose[:len(PROPOSE_PARAMS)] == PROPOSE_PARAMS
+    assert tuple(inspect.signature(CPUModelRunner._sample).parameters)[1:] == SAMPLE_PARAMS

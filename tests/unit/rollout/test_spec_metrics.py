@@ -137,3 +137,15 @@ def test_adaptive_k_histogram_becomes_shares_of_the_window():
     m = summarize_window(after - before, "train", 2, 1.0)
     assert m["rollout/train/speculation_k_mean"] == pytest.approx(0.5)
     assert [m[f"rollout/train/speculation_k_share_{k}"] for k in range(3)] == pytest.approx([0.5, 0.0, 0.5])
+    assert not any("model_k_share" in key or "explored" in key for key in m)   # no policy counters: none
+
+
+def test_the_policys_own_choices_and_its_exploration_become_shares_of_the_window():
+    before = SpecCounters(speculation_steps=10.0, speculation_k_hist=(6.0, 4.0), speculation_model_k_hist=(10.0, 0.0),
+                          speculation_explored_steps=4.0)
+    after = SpecCounters(speculation_steps=50.0, speculation_k_hist=(36.0, 14.0), speculation_model_k_hist=(48.0, 2.0),
+                         speculation_explored_steps=16.0)
+    m = summarize_window(after - before, "train", 1, 1.0)
+    assert [m[f"rollout/train/speculation_k_share_{k}"] for k in range(2)] == pytest.approx([0.75, 0.25])
+    assert [m[f"rollout/train/speculation_model_k_share_{k}"] for k in range(2)] == pytest.approx([0.95, 0.05])
+    assert m["rollout/train/speculation_explored_share"] == pytest.approx(0.3)

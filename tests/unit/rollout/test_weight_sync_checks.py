@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -103,6 +105,9 @@ def test_transport_seam():
     assert (nccl.backend, nccl.is_sender, nccl.packed) == ("nccl", False, True)
     with pytest.raises(ValueError, match="backend 'gloo' is invalid"):
         trainer_init_info("gloo", rank=0)
+    with socket.socket() as sock, pytest.raises(ValueError, match="only used by the 'skyrl_cpu' transport, not 'nccl'"):
+        trainer_init_info("nccl", rank=0, master_address="127.0.0.1", master_port=1234, world_size=3,
+                          listen_socket=sock)
 
 
 def test_cpu_transport_registered_in_both_vllm_factories():

@@ -26,7 +26,9 @@ from skyrl_mtp.trainer.trainer import RLTrainer
 
 
 class FakeWindow:
-    """`k_shares`: the engines' per-step k histogram a rollout reports (auto k)."""
+    """`k_shares`: the k the engines' policies chose per step, as a rollout reports it (auto k); the ks run
+    (`speculation_k_share_*`, exploration included) are reported drafting on every step, which the trainer
+    must not read as the engines drafting."""
 
     def __init__(self, k_shares=()):
         self.k_shares = list(k_shares)
@@ -37,7 +39,8 @@ class FakeWindow:
 
     def stop(self):
         return {f"rollout/{self.label}/draft_acceptance_rate": 0.5,
-                **{f"rollout/{self.label}/speculation_k_share_{k}": s for k, s in enumerate(self.k_shares)}}
+                **{f"rollout/{self.label}/speculation_model_k_share_{k}": s for k, s in enumerate(self.k_shares)},
+                **{f"rollout/{self.label}/speculation_k_share_{k}": float(k == 1) for k in range(len(self.k_shares))}}
 
 
 class FakeEngines:
