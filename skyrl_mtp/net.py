@@ -29,3 +29,12 @@ def listening_socket(host: str = "127.0.0.1") -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def claim_held(sock: socket.socket | None, port: int | None, serves: bool) -> socket.socket | None:
+    """The socket held for a rendezvous, if this process serves that rendezvous on it (`serves`: it is rank 0,
+    and the port the ranks were told is the socket's); otherwise the socket is closed and None returned."""
+    if sock is not None and (not serves or sock.getsockname()[1] != port):
+        sock.close()
+        return None
+    return sock

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 
+from ..net import claim_held
 from ..rollout.weight_transfer.policy_link import PolicySenderMixin
 from .megatron_policy import MegatronPolicy
 
@@ -46,10 +47,7 @@ class PolicyWorker(PolicySenderMixin, MegatronPolicy):   # the mixin: the traine
         if self._pending is None:
             raise RuntimeError(f"policy rank {self.rank} has already joined its process group")
         cfg, hf_path, rank, world_size = self._pending
-        sock, self._listen_socket = self._listen_socket, None
-        if sock is not None and (rank != 0 or sock.getsockname()[1] != master_port):
-            sock.close()   # this rank is not where the ranks meet (the caller chose another address)
-            sock = None
+        sock, self._listen_socket = claim_held(self._listen_socket, master_port, rank == 0), None
         MegatronPolicy.__init__(self, cfg, hf_path, rank, world_size, master_addr, master_port, listen_socket=sock)
         self._pending = None
         return self.rank

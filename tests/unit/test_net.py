@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from skyrl_mtp.net import listening_socket
+from skyrl_mtp.net import claim_held, listening_socket
 
 
 def test_a_held_port_cannot_be_taken_by_another_binder():
@@ -46,3 +46,16 @@ def test_cpu_transport_group_serves_on_the_held_socket_and_a_client_that_came_fi
     assert all_agree(group, True)
     thread.join(timeout=30)
     assert torch.equal(got["tensor"], torch.arange(4.0)) and got["agree"] is True
+
+
+def test_a_held_socket_is_kept_only_by_the_rank_that_serves_its_port():
+    assert claim_held(None, 1234, True) is None
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    assert claim_held(sock, port, True) is sock
+    sock.close()
+    not_rank0 = listening_socket()
+    assert claim_held(not_rank0, not_rank0.getsockname()[1], False) is None
+    told_another_port = listening_socket()
+    assert claim_held(told_another_port, told_another_port.getsockname()[1] + 1, True) is None
+    assert not_rank0.fileno() == told_another_port.fileno() == -1   # closed: their ports are free again

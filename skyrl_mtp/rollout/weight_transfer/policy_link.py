@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skyrl_mtp.net import claim_held
 from skyrl_mtp.rollout.weight_transfer.registration import CPU_BACKEND
 from skyrl_mtp.rollout.weight_transfer.transport import needs_rendezvous, trainer_init_info
 
@@ -64,10 +65,8 @@ class PolicySenderMixin:
             import torch
 
             device = torch.device("cuda", torch.cuda.current_device())
-        sock, self._transfer_listen_socket = getattr(self, "_transfer_listen_socket", None), None
-        if sock is not None and (self.rank != 0 or sock.getsockname()[1] != master_port):
-            sock.close()
-            sock = None
+        sock = claim_held(getattr(self, "_transfer_listen_socket", None), master_port, self.rank == 0)
+        self._transfer_listen_socket = None
         info = trainer_init_info(backend, rank=self.rank, master_address=master_address, master_port=master_port,
                                  world_size=world_size, listen_socket=sock)
         sources = {p: PolicyWeightSource(self.iter_hf_weights, p, device) for p in parts}
