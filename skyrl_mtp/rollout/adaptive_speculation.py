@@ -441,7 +441,9 @@ class SpeculationPolicy:
     chosen_sum: float = 0.0
     chosen_count: int = 0
     histogram: list[int] = field(default_factory=list)        # steps per k run
-    model_histogram: list[int] = field(default_factory=list)  # steps per k the model chose (exploration aside)
+    # steps per k the model chose, exploration aside: a probe, challenge or timing-cycle step counts at the
+    # bucket's incumbent k, and not at all before the model has chosen at that batch size (the warm-up)
+    model_histogram: list[int] = field(default_factory=list)
     explored_steps: int = 0        # steps run for exploration: warm-up, calibration cycles, probes, challenges
     _queue: list[int] = field(default_factory=list)
     _cycled: set[int] = field(default_factory=set)           # buckets given a calibration cycle after warm-up
@@ -493,7 +495,7 @@ class SpeculationPolicy:
         queued = bool(self._queue)
         if queued:
             k = self._queue.pop(0)
-            chosen = self._incumbent.get(b, 0)
+            chosen = self._incumbent.get(b, -1)   # -1: the model has not chosen at this batch size yet
         else:
             k = chosen = self._model_choice(max(batch, 1))
             self._incumbent[b] = k
@@ -512,7 +514,8 @@ class SpeculationPolicy:
         self.chosen_sum += k
         self.chosen_count += 1
         self.histogram[k] += 1
-        self.model_histogram[chosen] += 1
+        if chosen >= 0:
+            self.model_histogram[chosen] += 1
         self.explored_steps += int(queued or k != chosen)
         return k
 

@@ -45,7 +45,8 @@ class SpecCounters:
     speculation_k_sum: float = 0.0
     speculation_k_hist: tuple[float, ...] = ()   # engine steps per k run (0..k_max)
     # the engine core's policy: its steps per k it chose, exploration aside (a probe, challenge or
-    # calibration step counts at the k it would otherwise have run), and how many steps explored
+    # calibration step counts at the k it would otherwise have run; warm-up steps, before any choice, not
+    # at all), and how many steps explored
     speculation_model_k_hist: tuple[float, ...] = ()
     speculation_explored_steps: float = 0.0
 
@@ -130,7 +131,8 @@ def summarize_window(delta: SpecCounters, label: str, num_speculative_tokens: in
     if decided > 0:   # what the policy chose, exploration aside (the trainer's idle-head cadence reads these)
         for k, n in enumerate(delta.speculation_model_k_hist):
             out[p + f"speculation_model_k_share_{k}"] = n / decided
-        out[p + "speculation_explored_share"] = delta.speculation_explored_steps / decided
+    if delta.speculation_steps > 0 and delta.speculation_model_k_hist:
+        out[p + "speculation_explored_share"] = min(1.0, delta.speculation_explored_steps / delta.speculation_steps)
     return out
 
 

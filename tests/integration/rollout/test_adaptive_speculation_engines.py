@@ -34,6 +34,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     nospec.sync_weights(weights)
     auto.sync_weights(weights)
     prompts = _prompts()
+    model_windows = 0
     for spec in (GREEDY, SAMPLED):
         ref = nospec.generate_sync(prompts, spec)
         auto.metrics.start("train")
@@ -45,18 +46,26 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
         k_mean = m["rollout/train/speculation_k_mean"]
         assert 0.0 < k_mean <= 3.0, m
         assert m["rollout/train/num_drafts"] > 0
-        # the policy's own choices (the oracle head: it drafts) and its exploration reach the window too
-        model = [m[f"rollout/train/speculation_model_k_share_{k}"] for k in range(4)]
-        assert sum(model) == pytest.approx(1.0) and sum(model[1:]) > 0.5, m
-        assert 0.0 <= m["rollout/train/speculation_explored_share"] < 1.0, m
+        # the policy's own choices and its exploration reach the window too (none in a window the engine's
+        # warm-up fills: the policy chose none of those steps)
+        model = [m.get(f"rollout/train/speculation_model_k_share_{k}") for k in range(4)]
+        if model[0] is not None:
+            model_windows += 1
+            assert sum(model) == pytest.approx(1.0), m
+        assert 0.0 < m["rollout/train/speculation_explored_share"] <= 1.0, m
+    assert model_windows >= 1
     import ray
 
     stats = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
     hist = stats["k_histogram"]
     assert len(hist) == 4 and sum(hist) == stats["steps"] > 0
-    policy = stats["policy"]   # the engine core decided every step the worker ran, exploring on some
-    assert sum(policy["model_k_histogram"]) == policy["steps"] >= stats["steps"]
-    assert 0 < policy["explored_steps"] < policy["steps"], policy
+    # the engine core decided every step the worker ran; its model chose all but the warm-up's, and the
+    # warm-up, timing cycles, probes and challenges explored (every step is one or the other, or both)
+    policy = stats["policy"]
+    model = policy["model_k_histogram"]
+    assert policy["steps"] >= stats["steps"] and 0 < sum(model) < policy["steps"], policy
+    assert policy["explored_steps"] >= 3 * 2 * 4   # at least the warm-up: 3 cycles of each k in 0..3 twice
+    assert sum(model) + policy["explored_steps"] >= policy["steps"] > policy["explored_steps"], policy
     assert sum(1 for h in hist if h) >= 3, hist        # calibration cycled k over 0..3 and the policy chose
     assert stats["skipped_drafter_steps"] == hist[0]    # k = 0: the drafter did not run
     # k = 0 after k = 0 (nothing to verify, nothing to propose) ran as vLLM's no-spec step

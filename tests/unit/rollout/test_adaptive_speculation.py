@@ -324,9 +324,9 @@ def test_policy_calibrates_then_exploits_and_probes():
     st = pol.stats()
     assert st["steps"] == 70 and st["k_sum"] == sum(first) + sum(later)
     assert sum(st["k_histogram"]) == 70
-    # the model chose k = 0 on every step after the warm-up cycle (which counts at k = 0: nothing chosen yet);
-    # the cycle's 6 steps and the probes' 4 are exploration
-    assert st["model_k_histogram"] == [70, 0, 0] and st["explored_steps"] == 10
+    # the model chose k = 0 on every step after the warm-up cycle (whose 6 steps it had not chosen: not
+    # counted); the cycle's 6 steps and the probes' 4 are exploration
+    assert st["model_k_histogram"] == [64, 0, 0] and st["explored_steps"] == 10
     # a new batch bucket with a useless head: nothing to calibrate for, so no drafting cycle there
     assert [pol.choose(64) for _ in range(3)] == [0, 0, 0]
     assert pol.stats()["calibrated_buckets"] == [1, 2, 3, 4, 5, 6, 7]   # what the cost model was timed at

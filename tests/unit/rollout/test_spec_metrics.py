@@ -149,3 +149,8 @@ def test_the_policys_own_choices_and_its_exploration_become_shares_of_the_window
     assert [m[f"rollout/train/speculation_k_share_{k}"] for k in range(2)] == pytest.approx([0.75, 0.25])
     assert [m[f"rollout/train/speculation_model_k_share_{k}"] for k in range(2)] == pytest.approx([0.95, 0.05])
     assert m["rollout/train/speculation_explored_share"] == pytest.approx(0.3)
+    # a window of warm-up steps only: the policy chose nothing yet, all of it explored
+    warm = summarize_window(SpecCounters(speculation_steps=24.0, speculation_k_hist=(6.0, 6.0, 6.0, 6.0),
+                                         speculation_model_k_hist=(0.0, 0.0, 0.0, 0.0), speculation_explored_steps=24.0),
+                            "train", 3, 1.0)
+    assert not any("model_k_share" in key for key in warm) and warm["rollout/train/speculation_explored_share"] == 1.0
