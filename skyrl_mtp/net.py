@@ -31,6 +31,13 @@ def listening_socket(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def rehold(held: socket.socket | None, host: str) -> socket.socket:
+    """A freshly held port on `host` (`listening_socket`); `held`, an earlier one nobody served, is closed."""
+    if held is not None:
+        held.close()
+    return listening_socket(host)
+
+
 def claim_held(sock: socket.socket | None, port: int | None, serves: bool) -> socket.socket | None:
     """The socket held for a rendezvous, if this process serves that rendezvous on it (`serves`: it is rank 0,
     and the port the ranks were told is the socket's); otherwise the socket is closed and None returned."""

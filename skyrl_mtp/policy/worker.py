@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from ..net import claim_held
+from ..net import claim_held, rehold
 from ..rollout.weight_transfer.policy_link import PolicySenderMixin
 from .megatron_policy import MegatronPolicy
 
@@ -35,12 +35,8 @@ class PolicyWorker(PolicySenderMixin, MegatronPolicy):   # the mixin: the traine
     def rendezvous_address(self) -> tuple[str, int]:
         """This actor's node address and a port on it where the ranks meet when this is rank 0. The port is
         held (a listening socket) until ``join`` serves the rendezvous on it: no other process can take it."""
-        from ..net import listening_socket
-
         ip = node_address()
-        if self._listen_socket is not None:
-            self._listen_socket.close()
-        self._listen_socket = listening_socket(ip)
+        self._listen_socket = rehold(self._listen_socket, ip)
         return ip, self._listen_socket.getsockname()[1]
 
     def join(self, master_addr: str, master_port: int) -> int:

@@ -18,14 +18,14 @@ chosen per engine step to maximise expected tokens per second, from
   costs per k are made non-decreasing by isotonic regression weighted by how sure it is of each, and a
   step timed far beyond its prediction (a stall) counts as a bounded slow step.
 
-Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of
-each new batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing
-off while probes change nothing) runs, in turn, a neighbour of the best k (one shallower, one deeper) or
-k = 0 for two steps, so the next position's acceptance and the costs stay measured as the head and the
-batch change; and a k that may beat the best one within the fit's standard error is timed again soon (a
-challenge), so doubt does not hold the engine at a k the evidence has turned against. At k = 0 the drafter does not run; its KV cache then has holes at the positions of those steps,
-which may lower later acceptance but never changes the emitted tokens (the target verifies every draft),
-and the measured acceptance sees that effect.
+Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of each new
+batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing off while
+probes change nothing) runs, in turn, a neighbour of the best k (one shallower, one deeper) or k = 0 for two
+steps, so the next position's acceptance and the costs stay measured as the head and the batch change; and a k
+that may beat the best one within the fit's standard error is timed again soon (a challenge), so doubt does
+not hold the engine at a k the evidence has turned against. At k = 0 the drafter does not run; its KV cache
+then has holes at the positions of those steps, which may lower later acceptance but never changes the emitted
+tokens (the target verifies every draft), and the measured acceptance sees that effect.
 
 Two halves, on vLLM's own mechanism (dynamic speculative decoding: the engine is built with
 `num_speculative_tokens_per_batch_size`, so the scheduler takes drafts of any length <= k_max without
@@ -350,11 +350,12 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
 
     A step with more drafts does strictly more work, so the predicted cost is made non-decreasing in k
     (CostModel.monotone_step_seconds): a fit from noisy timings (a loaded machine) can otherwise predict a
-    deeper step to be cheaper and pick k where the drafts buy nothing. And a k other than the `incumbent` (the k chosen last at this batch; k = 0,
-    no drafting, before any) must win after its cost is raised by one standard error of how much it costs
-    more than the incumbent (a shallower k: at most the incumbent's cost). A fit resting on a few timed
-    steps, one of them slow, or one that extrapolates to a batch it has not timed, is not enough evidence
-    to switch. As timings of both settings accumulate the margin shrinks, so a real gain is still taken."""
+    deeper step to be cheaper and pick k where the drafts buy nothing. And a k other than the `incumbent` (the
+    k chosen last at this batch; k = 0, no drafting, before any) must win after its cost is raised by one
+    standard error of how much it costs more than the incumbent (a shallower k: at most the incumbent's cost).
+    A fit resting on a few timed steps, one of them slow, or one that extrapolates to a batch it has not
+    timed, is not enough evidence to switch. As timings of both settings accumulate the margin shrinks, so a
+    real gain is still taken."""
     costs = cost.monotone_step_seconds(batch)
     rates = [expected_tokens(alphas, k) / costs[k] for k in range(k_max + 1)]
     judged = []
@@ -568,12 +569,12 @@ class SpeculationPolicy:
     def _challenge(self, best: int, rival: int, batch: int) -> int:
         """Two steps at a plausible rival (plausible_rival: it may beat the best k within the fit's standard
         error), when its predicted regret fits the exploration budget, `challenge_every` steps after the
-        choice moved, then backing off (the gap doubles, up to `probe_every_max`) while the choice stays:
-        a rival that keeps looking plausible on a noisy machine costs a shrinking share of the steps (each
-        challenge also costs a step back that verifies its drafts, outside the model). The margin that keeps the incumbent (best_k) shrinks only as both ks are timed, and the
-        probes' interval backs off to hundreds of steps; without this, a k the fit has timed a few times
-        (k = 0 after a head that was accepted well stops being accepted) could keep losing to the incumbent
-        on doubt alone for as long."""
+        choice moved, then backing off (the gap doubles, up to `probe_every_max`) while the choice stays: a
+        rival that keeps looking plausible on a noisy machine costs a shrinking share of the steps (each
+        challenge also costs a step back that verifies its drafts, outside the model). The margin that keeps
+        the incumbent (best_k) shrinks only as both ks are timed, and the probes' interval backs off to
+        hundreds of steps; without this, a k the fit has timed a few times (k = 0 after a head that was
+        accepted well stops being accepted) could keep losing to the incumbent on doubt alone for as long."""
         if not self._two_steps_affordable(rival, best, batch):
             return best
         self._spent_at_probe = self._spent

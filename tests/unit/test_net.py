@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from skyrl_mtp.net import claim_held, listening_socket
+from skyrl_mtp.net import claim_held, listening_socket, rehold
 
 
 def test_a_held_port_cannot_be_taken_by_another_binder():
@@ -59,3 +59,16 @@ def test_a_held_socket_is_kept_only_by_the_rank_that_serves_its_port():
     told_another_port = listening_socket()
     assert claim_held(told_another_port, told_another_port.getsockname()[1] + 1, True) is None
     assert not_rank0.fileno() == told_another_port.fileno() == -1   # closed: their ports are free again
+
+
+def test_reholding_closes_the_unserved_socket_and_holds_a_new_port():
+    first = rehold(None, "127.0.0.1")
+    port = first.getsockname()[1]
+    second = rehold(first, "127.0.0.1")
+    try:
+        assert first.fileno() == -1
+        assert second.getsockname()[1] != 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", port))   # the first pick is free again
+    finally:
+        second.close()

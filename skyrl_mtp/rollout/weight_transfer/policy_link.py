@@ -32,19 +32,15 @@ def _rank0_address(worker: Any, backend: str) -> tuple[str, int | None]:
     trainer endpoint binds the port itself, so for it the port is only known to be free now."""
     import ray
 
-    from skyrl_mtp.net import free_port, listening_socket
+    from skyrl_mtp.net import free_port, rehold
 
     addr = ray.util.get_node_ip_address()
-    old = getattr(worker, "_transfer_listen_socket", None)
-    if old is not None:
-        old.close()
-    worker._transfer_listen_socket = None
-    if not needs_rendezvous(backend):
-        return addr, None
-    if backend != CPU_BACKEND:
-        return addr, free_port(addr)
-    worker._transfer_listen_socket = listening_socket(addr)
-    return addr, worker._transfer_listen_socket.getsockname()[1]
+    held, worker._transfer_listen_socket = getattr(worker, "_transfer_listen_socket", None), None
+    if backend == CPU_BACKEND:
+        worker._transfer_listen_socket = rehold(held, addr)
+        return addr, worker._transfer_listen_socket.getsockname()[1]
+    claim_held(held, None, serves=False)   # nothing served on it here: closed
+    return addr, (free_port(addr) if needs_rendezvous(backend) else None)
 
 
 class PolicySenderMixin:
