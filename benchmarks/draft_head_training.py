@@ -10,7 +10,8 @@ oracle head, and the per-position acceptance is read from vLLM's own counters.
 
 Variants (name: depths trained, loss, fraction of positions): depth1 (1, soft_ce, 1.0), depth_aware
 (k, soft_ce, 1.0), tv (k, tv, 1.0), subset (k, soft_ce, --subset-fraction). Served with greedy drafts, and
-depth_aware and tv also with probabilistic drafts (greedy + soft CE vs probabilistic + TV).
+depth1, depth_aware and tv also with probabilistic drafts (depth-1 vs depth-aware where the drafts are not
+capped by the target's top token; greedy + soft CE vs probabilistic + TV).
 `--save-trained DIR` keeps the depth_aware checkpoint (rollout_spec.py --trained-ckpt serves it).
 
     python benchmarks/draft_head_training.py [--steps 100] [--k 3] [--json OUT] [--quick]
@@ -41,7 +42,10 @@ def variants(k: int, subset_fraction: float, names: str = ",".join(VARIANT_NAMES
 
 
 def _all_variants(k: int, subset_fraction: float) -> list[dict]:
-    return [dict(name="depth1", depths=1, loss="soft_ce", fraction=1.0, drafts=["greedy"]),
+    # depth1 is served with probabilistic drafts too: greedy acceptance at T = 1 is capped by the target's
+    # top-token probability for any head whose argmax matches, so only sampled drafts show what depths 2..k
+    # lose when the head never trained on its own depth-1 output
+    return [dict(name="depth1", depths=1, loss="soft_ce", fraction=1.0, drafts=["greedy", "probabilistic"]),
             dict(name="depth_aware", depths=k, loss="soft_ce", fraction=1.0, drafts=["greedy", "probabilistic"]),
             dict(name="tv", depths=k, loss="tv", fraction=1.0, drafts=["greedy", "probabilistic"]),
             dict(name="subset", depths=k, loss="soft_ce", fraction=subset_fraction, drafts=["greedy"])]
