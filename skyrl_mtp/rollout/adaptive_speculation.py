@@ -570,10 +570,9 @@ class SpeculationPolicy:
         """Two steps at a plausible rival (plausible_rival: it may beat the best k within the fit's standard
         error), when its predicted regret fits the exploration budget, `challenge_every` steps after the
         choice moved, then backing off (the gap doubles, up to `probe_every_max`) while the choice stays: a
-        rival that keeps looking plausible on a noisy machine costs a shrinking share of the steps (each
-        challenge also costs a step back that verifies its drafts, outside the model). The margin that keeps
-        the incumbent (best_k) shrinks only as both ks are timed, and the probes' interval backs off to
-        hundreds of steps; without this, a k the fit has timed a few times (k = 0 after a head that was
+        rival that keeps looking plausible on a noisy machine costs a shrinking share of the steps. The margin
+        that keeps the incumbent (best_k) shrinks only as both ks are timed, and the probes' interval backs
+        off to hundreds of steps; without this, a k the fit has timed a few times (k = 0 after a head that was
         accepted well stops being accepted) could keep losing to the incumbent on doubt alone for as long."""
         if not self._two_steps_affordable(rival, best, batch):
             return best
@@ -602,7 +601,12 @@ class SpeculationPolicy:
 
     def _two_steps_affordable(self, k: int, best: int, batch: int) -> bool:
         """Two steps at k instead of best fit the exploration budget: their predicted regret is within
-        `explore_budget` of the engine time predicted since the last exploration (probe or challenge)."""
+        `explore_budget` of the engine time predicted since the last exploration (probe or challenge).
+
+        A step verifies the drafts of the step before it, so the excursion touches three steps: the first
+        drafts at k and verifies best's drafts, the second is a steady step at k, and the step back drafts at
+        best and verifies k's drafts. The first and the last together do about the work of one steady step at
+        each k, so the excursion costs two steady steps at k in place of two at best."""
         extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
