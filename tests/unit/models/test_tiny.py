@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from skyrl_mtp.models.tiny import (
+    ROPE_THETA,
     TinyModelSpec,
     build_tiny_checkpoint,
     build_weights,
@@ -88,6 +89,8 @@ def test_tokenizer_round_trip_and_chat_template(ckpt):
     ({"head": "oracle", "tie_word_embeddings": True}, r"TinyModelSpec.head='oracle' is invalid"),
     ({"mtp_layers": -1}, r"TinyModelSpec.mtp_layers=-1 is invalid"),
     ({"partial_agreement": 1.0}, r"TinyModelSpec.partial_agreement=1.0 is invalid"),
+    ({"sharpness": 0.0}, r"TinyModelSpec.sharpness=0.0 is invalid; allowed: a number > 0"),
+    ({"head": "trigram", "tie_word_embeddings": True}, r"TinyModelSpec.head='trigram' is invalid"),
 ])
 def test_bad_specs_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -136,6 +139,45 @@ def test_random_and_partial_heads_disagree_as_specified():
     nxt, _, draft = _oracle_forward(w, spec, torch.arange(spec.vocab))
     agree = (draft == nxt[nxt]).float().mean().item()
     assert 0.35 < agree < 0.65, agree
+
+
+def _neox_rope(x: torch.Tensor, d: int) -> torch.Tensor:
+    """x [positions, heads, d] rotated the way vLLM's and Megatron's Qwen2 do (pairs i, i + d/2)."""
+    theta = ROPE_THETA ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(len(x), dtype=torch.float64)[:, None] * theta
+    c, s = ang.cos()[:, None], ang.sin()[:, None]
+    x1, x2 = x[..., : d // 2].double(), x[..., d // 2:].double()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+@pytest.mark.parametrize("shape", [{}, {"hidden": 128, "heads": 2, "kv_heads": 1, "vocab": 1024}])
+def test_trigram_target_attends_to_the_previous_token_and_offers_both_successors(shape):
+    spec = TinyModelSpec(seed=0, head="trigram", max_position_embeddings=512, **shape)
+    w = build_weights(spec)
+    d, heads, kv = spec.head_dim, spec.heads, spec.kv_heads
+    p = "model.layers.0.self_attn."
+    emb, lm = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    toks = torch.randint(10, spec.vocab, (spec.max_position_embeddings,), generator=torch.Generator().manual_seed(1))
+    x, n = _rms(emb[toks]), len(toks)
+    q = _neox_rope((x @ w[p + "q_proj.weight"].T + w[p + "q_proj.bias"]).view(n, heads, d), d)
+    k = _neox_rope((x @ w[p + "k_proj.weight"].T + w[p + "k_proj.bias"]).view(n, kv, d), d)
+    k = k.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / d**0.5
+    att = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    assert att[:, torch.arange(1, n), torch.arange(n - 1)].min() > 1 - 1e-6    # every position, every head
+
+    v = (x @ w[p + "v_proj.weight"].T).view(n, kv, d).repeat_interleave(heads // kv, 1)
+    prev = torch.cat([v[:1], v[:-1]]).reshape(n, heads * d).float() @ w[p + "o_proj.weight"].T
+    probs = (_rms(emb[toks] + prev) @ lm.T).softmax(-1)[1:]
+    succ = (_rms(emb) @ lm.T).argmax(-1)
+    cur, before = probs.gather(1, succ[toks[1:]][:, None]), probs.gather(1, succ[toks[:-1]][:, None])
+    top2 = probs.topk(2, -1).indices
+    assert all(set(t.tolist()) == {int(succ[b]), int(succ[a])}
+               for t, a, b in zip(top2, toks[:-1], toks[1:]) if a != b)
+    assert 0.25 < cur.mean() < 0.5 and 0.2 < before.mean() < 0.5       # two candidates of similar weight
+    for name, t in w.items():                                           # nothing else writes anything
+        if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert (torch.count_nonzero(t) == 0) == (not name.startswith(p[:-10] + "self_attn.o_proj")), name
 
 
 def test_cached_checkpoint_builds_once(tmp_path):
