@@ -1,8 +1,8 @@
 """The tiny factory's trigram target is a trigram in vLLM and in Megatron alike.
 
 `draft_head_training.py --target trigram` trains heads with the Megatron policy and serves them with vLLM;
-what it shows only holds if both run the target the factory meant: after "... a b" the next token is
-succ(a) or succ(b) (succ: the bigram successor read off the lm_head), nothing else, and a different token
+what it shows only holds if both run the target the factory meant: after "... a b" the two likely next
+tokens are succ(a) and succ(b) (succ: the bigram successor read off the lm_head), and a different token
 before b takes succ(a) away. vLLM's prompt logprobs say so, and Megatron's equal them.
 """
 
