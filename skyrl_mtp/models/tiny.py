@@ -184,6 +184,13 @@ def head_target_agreement(embed: torch.Tensor, lm_head: torch.Tensor, token_proj
     return (target == head).float().mean().item()
 
 
+def previous_token_share(spec: TinyModelSpec) -> float:
+    """The trigram's previous-token term over the current token's embedding, in squared norm: it is the
+    projection of a norm-sqrt(h) vector onto the kv_dim-wide value subspace, scaled by h / kv_dim so that its
+    logit equals the current token's, hence squared norm h * (h / kv_dim)."""
+    return spec.hidden / (spec.kv_heads * spec.head_dim)
+
+
 def previous_token_attention(prefix: str, spec: TinyModelSpec, g: torch.Generator) -> dict[str, torch.Tensor]:
     """Attention weights that add the previous position's normed embedding, projected onto the value
     subspace and scaled to the current token's weight in the logits, to the residual stream.
@@ -213,7 +220,7 @@ def previous_token_attention(prefix: str, spec: TinyModelSpec, g: torch.Generato
             prefix + "self_attn.k_proj.weight": torch.zeros(kvd, h),
             prefix + "self_attn.k_proj.bias": k.flatten().float().repeat(spec.kv_heads),
             prefix + "self_attn.v_proj.weight": basis.contiguous(),
-            prefix + "self_attn.o_proj.weight": (h / kvd / group) * o_proj}
+            prefix + "self_attn.o_proj.weight": (previous_token_share(spec) / group) * o_proj}
 
 
 def build_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
@@ -233,10 +240,9 @@ def build_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
         # lm_head row perm[j] points at token j's embedding: the target's next token after j is perm[j].
         perm = torch.randperm(v, generator=g)
         lm_head = torch.empty(v, h)
-        # the trigram's residual stream is longer by sqrt(1 + h / kv_dim) (the previous token's share, see
-        # previous_token_attention): scaled back so each of its two candidates is as sharp as a bigram's
-        kv_dim = spec.kv_heads * spec.head_dim
-        scale = spec.sharpness * ((1 + h / kv_dim) ** 0.5 if spec.head == "trigram" else 1.0)
+        # the trigram's residual stream is longer by sqrt(1 + previous_token_share): scaled back so each of its
+        # two candidates is as sharp as a bigram's
+        scale = spec.sharpness * ((1 + previous_token_share(spec)) ** 0.5 if spec.head == "trigram" else 1.0)
         lm_head[perm] = scale * embed / embed.norm(dim=-1, keepdim=True)
         sd["lm_head.weight"] = lm_head
     elif not spec.tie_word_embeddings:
