@@ -12,10 +12,12 @@ rate 0) on sequences the target itself sampled at T = 1, once per variant with t
 Each trained head is served by vLLM with k drafts at T = 1 on held-out prompts, and the per-position
 acceptance is read from vLLM's own counters.
 
-Variants (name: depths trained, loss, fraction of positions): depth1 (1, soft_ce, 1.0), depth_aware
-(k, soft_ce, 1.0), tv (k, tv, 1.0), subset (k, soft_ce, --subset-fraction). Served with greedy drafts, and
-depth1, depth_aware and tv also with probabilistic drafts (depth-1 vs depth-aware where the drafts are not
-capped by the target's top token; greedy + soft CE vs probabilistic + TV).
+Variants (name: depths trained, loss, fraction of positions, depth decay): depth1 (1, soft_ce, 1.0, -),
+depth_aware (k, soft_ce, 1.0, 1.0: every depth alike), depth_decay (k, soft_ce, 1.0, each of --depth-decays;
+depth d's loss weighs decay ** (d - 1), trainer.mtp.loss_depth_decay), tv (k, tv, 1.0, --decay), subset
+(k, soft_ce, --subset-fraction, --decay); --decay defaults to trainer.mtp.loss_depth_decay's default.
+Served with greedy drafts, and all but subset also with probabilistic drafts (depth-1 vs depth-aware where
+the drafts are not capped by the target's top token; greedy + soft CE vs probabilistic + TV).
 `--save-trained DIR` keeps the depth_aware checkpoint (rollout_spec.py --trained-ckpt serves it).
 
     python benchmarks/draft_head_training.py [--target bigram|trigram] [--steps 100] [--k 3] [--json OUT] [--quick]
@@ -37,23 +39,29 @@ sys.path.insert(0, str(REPO))
 # --quick: a smoke size (small model, few steps, few sequences); explicit flags still win
 QUICK = dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, vocab=1024, steps=4, train_seqs=16,
              eval_prompts=4, max_tokens=12, batch=8, variants="depth1")
-VARIANT_NAMES = ("depth1", "depth_aware", "tv", "subset")
+VARIANT_NAMES = ("depth1", "depth_aware", "depth_decay", "tv", "subset")
 TARGETS = ("bigram", "trigram")
 
 
-def variants(k: int, subset_fraction: float, names: str = ",".join(VARIANT_NAMES)) -> list[dict]:
+def variants(k: int, subset_fraction: float, names: str = ",".join(VARIANT_NAMES),
+             decays: tuple[float, ...] = (0.5,), decay: float = 0.5) -> list[dict]:
     chosen = names.split(",")
-    return [v for v in _all_variants(k, subset_fraction) if v["name"] in chosen]
+    return [v for v in _all_variants(k, subset_fraction, decays, decay) if v["kind"] in chosen]
 
 
-def _all_variants(k: int, subset_fraction: float) -> list[dict]:
+def _all_variants(k: int, subset_fraction: float, decays: tuple[float, ...], decay: float) -> list[dict]:
     # depth1 is served with probabilistic drafts too: greedy acceptance at T = 1 is capped by the target's
     # top-token probability for any head whose argmax matches, so only sampled drafts show what depths 2..k
     # lose when the head never trained on its own depth-1 output
-    return [dict(name="depth1", depths=1, loss="soft_ce", fraction=1.0, drafts=["greedy", "probabilistic"]),
-            dict(name="depth_aware", depths=k, loss="soft_ce", fraction=1.0, drafts=["greedy", "probabilistic"]),
-            dict(name="tv", depths=k, loss="tv", fraction=1.0, drafts=["greedy", "probabilistic"]),
-            dict(name="subset", depths=k, loss="soft_ce", fraction=subset_fraction, drafts=["greedy"])]
+    both = ["greedy", "probabilistic"]
+    out = [dict(kind="depth1", depths=1, loss="soft_ce", fraction=1.0, decay=1.0, drafts=both),
+           dict(kind="depth_aware", depths=k, loss="soft_ce", fraction=1.0, decay=1.0, drafts=both)]
+    out += [dict(kind="depth_decay", depths=k, loss="soft_ce", fraction=1.0, decay=x, drafts=both) for x in decays]
+    out += [dict(kind="tv", depths=k, loss="tv", fraction=1.0, decay=decay, drafts=both),
+            dict(kind="subset", depths=k, loss="soft_ce", fraction=subset_fraction, decay=decay, drafts=["greedy"])]
+    for v in out:
+        v["name"] = f"depth_decay={v['decay']:g}" if v["kind"] == "depth_decay" else v["kind"]
+    return out
 
 
 def random_head_copy(oracle: Path, random_ckpt: Path, out: Path) -> Path:
@@ -95,8 +103,8 @@ def train_head(start: Path, seqs: list[list[int]], prompt_len: int, v: dict, a, 
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy
 
     cfg = PolicyWorkerConfig(policy_lr=0.0, head_lr=a.lr, micro_batch_size=a.batch, seed=0, mtp_num_depths=v["depths"],
-                             mtp_loss_type=v["loss"], mtp_loss_position_fraction=v["fraction"], head_grad_clip=1.0,
-                             export_hf=True, export_draft_head=False)
+                             mtp_loss_type=v["loss"], mtp_loss_position_fraction=v["fraction"],
+                             mtp_loss_depth_decay=v["decay"], head_grad_clip=1.0, export_hf=True, export_draft_head=False)
     policy = MegatronPolicy(cfg, str(start), 0, 1, "127.0.0.1", free_port())
     ids = torch.tensor(seqs, dtype=torch.long)
     loss_mask = torch.zeros_like(ids, dtype=torch.float32)
@@ -140,6 +148,8 @@ def acceptance(ckpt: Path, prompts: list[list[int]], k: int, draft: str, max_tok
 
 
 def main(argv: list[str] | None = None) -> int:
+    from skyrl_mtp.config.schema import MTPConfig
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--target", choices=TARGETS, default="bigram",
@@ -150,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="sequences per head-training step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--subset-fraction", type=float, default=0.25)
+    ap.add_argument("--depth-decays", default="0.5",
+                    help="comma list: one depth_decay variant per value in (0, 1] (trainer.mtp.loss_depth_decay)")
+    ap.add_argument("--decay", type=float, default=MTPConfig().loss_depth_decay,
+                    help="trainer.mtp.loss_depth_decay of the tv and subset variants (default: the run default)")
     ap.add_argument("--train-seqs", type=int, default=256)
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -174,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--save-trained keeps the depth_aware head: add depth_aware to --variants")
     if a.k < 1 or a.steps < 1 or not 0.0 < a.subset_fraction <= 1.0:
         ap.error(f"--k={a.k} and --steps={a.steps} must be >= 1, --subset-fraction={a.subset_fraction} in (0, 1]")
+    try:
+        decays = tuple(float(x) for x in a.depth_decays.split(","))
+    except ValueError:
+        decays = ()
+    if not decays or not all(0.0 < x <= 1.0 for x in decays) or len(set(decays)) != len(decays):
+        ap.error(f"--depth-decays={a.depth_decays!r} is invalid; allowed: a comma list of distinct values in (0, 1]")
+    if not 0.0 < a.decay <= 1.0:
+        ap.error(f"--decay={a.decay} is invalid; allowed: (0, 1]")
 
     from skyrl_mtp.runtime_env import configure_offline_caches
 
@@ -202,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         seqs = sample_sequences(target, train_prompts, a.max_tokens, seed=1)
         print(f"sampled {len(seqs)} target sequences in {time.perf_counter() - t0:.1f}s", flush=True)
         trained = {}
-        for v in variants(a.k, a.subset_fraction, a.variants):
+        for v in variants(a.k, a.subset_fraction, a.variants, decays, a.decay):
             out = tmp / v["name"]
             info = train_head(start, seqs, a.prompt_len, v, a, out)
             trained[v["name"]] = (out / "hf", info)
@@ -211,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         reference = ("oracle", None, target, "greedy") if a.target == "bigram" else (
             "untrained", None, start, "probabilistic")
         evals = [reference] + [
-            (v["name"], v, trained[v["name"]][0], d) for v in variants(a.k, a.subset_fraction, a.variants)
+            (v["name"], v, trained[v["name"]][0], d) for v in variants(a.k, a.subset_fraction, a.variants, decays, a.decay)
             for d in v["drafts"]]
         for name, v, ckpt, draft in evals:
             r = acceptance(ckpt, eval_prompts, a.k, draft, a.max_tokens)
             info = trained[name][1] if v else {}
             rows.append({"variant": name, "train_depths": v["depths"] if v else None,
                          "loss_type": v["loss"] if v else None, "position_fraction": v["fraction"] if v else None,
+                         "depth_decay": v["decay"] if v and v["depths"] > 1 else None,
                          "draft_sample_method": draft, "k": a.k, "temperature": 1.0, "steps": a.steps if v else 0,
                          **r, "train_s": info.get("train_s"), "mtp_loss": info.get("mtp_loss"),
                          "top1_agreement_per_depth": info.get("top1_agreement_per_depth")})
@@ -229,15 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     oracle_rate = rows[0]["acceptance_rate"] if a.target == "bigram" else None
     print(f"\ntarget: {a.target} model hidden={a.hidden} layers={a.layers} vocab={a.vocab}; head trained "
           f"{a.steps} steps x {a.batch} sequences of {a.max_tokens} sampled tokens; served k={a.k}, T=1")
-    print(f"{'variant':>12} {'depths':>6} {'loss':>8} {'frac':>5} {'drafts':>13} {'accept':>7} {'vs_oracle':>9} "
-          f"{'mean_len':>8} per-position")
+    print(f"{'variant':>16} {'depths':>6} {'loss':>8} {'frac':>5} {'decay':>5} {'drafts':>13} {'accept':>7} "
+          f"{'vs_oracle':>9} {'mean_len':>8} per-position")
     for r in rows:
         r["target"] = a.target
         r["acceptance_vs_oracle"] = r["acceptance_rate"] / oracle_rate if oracle_rate else None
         vs = "-" if r["acceptance_vs_oracle"] is None else f"{r['acceptance_vs_oracle']:.3f}"
-        print(f"{r['variant']:>12} {str(r['train_depths'] or '-'):>6} {str(r['loss_type'] or '-'):>8} "
-              f"{str(r['position_fraction'] or '-'):>5} {r['draft_sample_method']:>13} {r['acceptance_rate']:>7.3f} "
-              f"{vs:>9} {r['mean_acceptance_length']:>8.2f} "
+        print(f"{r['variant']:>16} {str(r['train_depths'] or '-'):>6} {str(r['loss_type'] or '-'):>8} "
+              f"{str(r['position_fraction'] or '-'):>5} {str(r['depth_decay'] or '-'):>5} "
+              f"{r['draft_sample_method']:>13} {r['acceptance_rate']:>7.3f} {vs:>9} {r['mean_acceptance_length']:>8.2f} "
               f"{[round(x, 3) for x in r['acceptance_per_pos']]}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -66,6 +66,7 @@ def policy_worker_config(cfg: DictConfig):
         mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if enabled else 0.0,
         mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=int(m.mtp_loss_chunk_size),
         mtp_loss_position_fraction=float(mtp.loss_position_fraction),
+        mtp_loss_depth_decay=float(mtp.loss_depth_decay),
         policy_lr=float(po.lr), weight_decay=float(po.weight_decay), betas=tuple(po.betas), eps=float(po.eps),
         policy_grad_clip=float(po.grad_clip), lr_warmup_steps=int(po.warmup_steps), lr_schedule=str(po.lr_schedule),
         head_lr=float(ho.lr), head_weight_decay=float(ho.weight_decay), head_betas=tuple(ho.betas),

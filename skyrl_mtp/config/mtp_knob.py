@@ -41,6 +41,10 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
     if not (isinstance(knob.loss_position_fraction, (int, float)) and 0.0 < knob.loss_position_fraction <= 1.0):
         out.append(problem("trainer.mtp.loss_position_fraction", knob.loss_position_fraction,
                            "must be in (0, 1] (the fraction of draft positions the head's loss is computed on)"))
+    decay = knob.loss_depth_decay
+    if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0.0 < decay <= 1.0):
+        out.append(problem("trainer.mtp.loss_depth_decay", decay,
+                           "must be in (0, 1] (draft depth d's loss weighs loss_depth_decay ** (d - 1))"))
     every = knob.idle_head_train_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         out.append(problem("trainer.mtp.idle_head_train_every", every,

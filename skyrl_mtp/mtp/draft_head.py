@@ -26,13 +26,21 @@ class DraftLossSpec:
     # position, the depth and the batch's tokens picks them, so every TP rank picks the same ones and
     # successive batches cover different positions); the trunk-side replay still runs on all positions
     position_fraction: float = 1.0
+    # depth d's loss and its positions weigh depth_decay ** (d - 1) (< 1 favours the first depths: depth
+    # d's draft is verified only when depths 1..d-1 were accepted)
+    depth_decay: float = 1.0
 
 
 @dataclass
 class DraftResult:
-    loss_sum: torch.Tensor  # differentiable, summed over valid positions and depths
-    num_tokens: torch.Tensor  # valid positions, summed over depths
-    per_depth: list[tuple[float, float, float]]  # (loss_sum, num_tokens, top1_agree) per depth
+    loss_sum: torch.Tensor  # differentiable, summed over valid positions and depths (depths weighted)
+    num_tokens: torch.Tensor  # valid positions, summed over depths (depths weighted)
+    per_depth: list[tuple[float, float, float]]  # (loss_sum, num_tokens, top1_agree) per depth, unweighted
+
+
+def depth_weights(num_depths: int, decay: float) -> list[float]:
+    """The draft loss weight of depths 1..num_depths: decay ** (d - 1)."""
+    return [decay ** (d - 1) for d in range(1, num_depths + 1)]
 
 
 def _tp_info():
@@ -74,6 +82,14 @@ def draft_positions(loss_mask: torch.Tensor, depth: int, segment_ids, input_ids:
         h = (pos * 2654435761 + depth * 40503 + salt * 97) % _HASH_MOD
         mask = mask & (h < int(position_fraction * _HASH_MOD))
     return mask.nonzero(as_tuple=True)
+
+
+def draft_normaliser(loss_mask: torch.Tensor, segment_ids, input_ids: torch.Tensor, spec: DraftLossSpec) -> float:
+    """The positions the draft loss covers in this batch, each depth counted at its weight: the loss is a
+    weighted mean over them."""
+    weights = depth_weights(spec.num_depths, spec.depth_decay)
+    return sum(w * float(draft_positions(loss_mask, d, segment_ids, input_ids, spec.position_fraction)[0].numel())
+               for d, w in enumerate(weights, start=1))
 
 
 def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -144,7 +160,7 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     teacher_all = policy_logits.detach()
     weight = output_weight(model).detach()
     total, count, per_depth = None, None, []
-    for d, h in enumerate(hidden, start=1):
+    for d, (h, w) in enumerate(zip(hidden, depth_weights(spec.num_depths, spec.depth_decay)), start=1):
         rows, cols = draft_positions(loss_mask, d, segment_ids, input_ids, spec.position_fraction)
         teacher = teacher_all[rows, cols + d]  # the policy's next-token logits at t + d: [n, V_local]
         target = input_ids[rows, cols + 1 + d]  # the sampled token the head predicts
@@ -155,7 +171,8 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
                                      target_ids=target, **kwargs)
         else:
             out = draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)
-        total = out.loss_sum if total is None else total + out.loss_sum
-        count = out.num_tokens if count is None else count + out.num_tokens
+        loss_sum, num_tokens = (out.loss_sum, out.num_tokens) if w == 1.0 else (out.loss_sum * w, out.num_tokens * w)
+        total = loss_sum if total is None else total + loss_sum
+        count = num_tokens if count is None else count + num_tokens
         per_depth.append((float(out.loss_sum.detach()), float(out.num_tokens), float(out.top1_agree)))
     return DraftResult(total, count, per_depth)

@@ -33,6 +33,7 @@ class PolicyWorkerConfig:
     mtp_loss_topk: int = 32
     mtp_loss_chunk_size: int = DEFAULT_MTP_LOSS_CHUNK_SIZE  # 0: no chunking over tokens
     mtp_loss_position_fraction: float = 1.0  # < 1: draft loss on that fraction of positions (run key trainer.mtp.loss_position_fraction)
+    mtp_loss_depth_decay: float = 1.0  # depth d's draft loss weighs this ** (d - 1) (run key trainer.mtp.loss_depth_decay)
     mtp_detach_trunk: bool = True
     mtp_detach_shared_output: bool = True
     mtp_separate_optimizer: bool = True
@@ -76,6 +77,8 @@ class PolicyWorkerConfig:
             raise _bad("mtp_loss_topk", self.mtp_loss_topk, "must be an integer >= 1")
         if not 0.0 < float(self.mtp_loss_position_fraction) <= 1.0:
             raise _bad("mtp_loss_position_fraction", self.mtp_loss_position_fraction, "must be in (0, 1]")
+        if not 0.0 < float(self.mtp_loss_depth_decay) <= 1.0:
+            raise _bad("mtp_loss_depth_decay", self.mtp_loss_depth_decay, "must be in (0, 1]")
         if self.mtp_loss_chunk_size < 0:
             raise _bad("mtp_loss_chunk_size", self.mtp_loss_chunk_size, "must be >= 0 (0 = no chunking)")
         if self.mtp_loss_weight < 0:

@@ -220,13 +220,12 @@ class MegatronPolicy:
                   "sequences": max(self._global_sum(_sequences_with_tokens(batch["loss_mask"])), 1.0)}
         spec, n_draft = None, 0.0
         if head_on:
-            from ..mtp.draft_head import DraftLossSpec, draft_positions
+            from ..mtp.draft_head import DraftLossSpec, draft_normaliser
 
             spec = DraftLossSpec(self.cfg.mtp_loss_type, depths, self.cfg.mtp_loss_topk,
-                                 self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction)
-            for d in range(1, spec.num_depths + 1):   # the positions the loss really covers (normaliser)
-                n_draft += float(draft_positions(batch["loss_mask"], d, batch.get("segment_ids"), batch["input_ids"],
-                                                 spec.position_fraction)[0].numel())
+                                 self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction,
+                                 self.cfg.mtp_loss_depth_decay)
+            n_draft = draft_normaliser(batch["loss_mask"], batch.get("segment_ids"), batch["input_ids"], spec)
             n_draft = max(self._global_sum(n_draft), 1.0)
             self.head_side.zero_grad()
         self.policy_side.zero_grad()

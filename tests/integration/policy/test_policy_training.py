@@ -94,12 +94,22 @@ def test_gradient_isolation_and_metrics(mtp_ckpt):
     logits = pol._forward(batch)
     hook.remove()
     assert not calls  # the patched forward does not run the MTP block (nor attach Megatron's MTP loss)
-    res = compute_draft_loss(pol.model, pol.capture.take(), logits, batch, DraftLossSpec(num_depths=2), VOCAB)
+    res = compute_draft_loss(pol.model, pol.capture.take(), logits, batch, DraftLossSpec(num_depths=2, depth_decay=1.0),
+                             VOCAB)
     assert float(res.num_tokens) > 0 and len(res.per_depth) == 2
     res.loss_sum.backward()
     trunk, head = grads(pol, head=False), grads(pol, head=True)
     assert all(g is None or not g.any() for g in trunk.values()), [n for n, g in trunk.items() if g is not None and g.any()]
     assert len(head) > 10 and all(g is not None and g.abs().sum() > 0 for g in head.values())
+    with torch.no_grad():   # trainer.mtp.loss_depth_decay: depth 2 weighs half, in the sum and in the count
+        logits = pol._forward(batch)
+        half = compute_draft_loss(pol.model, pol.capture.take(), logits, batch,
+                                  DraftLossSpec(num_depths=2, depth_decay=0.5), VOCAB)
+    (l1, n1, _), (l2, n2, _) = res.per_depth
+    assert half.per_depth == res.per_depth and l2 > 0 and n2 > 0
+    assert float(res.loss_sum) == pytest.approx(l1 + l2, rel=1e-5) and float(res.num_tokens) == n1 + n2
+    assert float(half.loss_sum) == pytest.approx(l1 + 0.5 * l2, rel=1e-5)
+    assert float(half.num_tokens) == n1 + 0.5 * n2
     m = pol.train_step(make_batch(1), "dapo", {"eps_clip_low": 0.2, "eps_clip_high": 0.28, "dual_clip_c": 3.0})
     for k in ("policy/loss", "policy/grad_norm", "mtp/loss", "mtp/grad_norm", "mtp/top1_agreement_pos_1",
               "policy/clip_frac_low", "policy/dual_clip_frac"):

@@ -42,6 +42,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.max_speculative_tokens": (2, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
     "trainer.mtp.draft_sample_method": ("probabilistic", {}),   # issue 17
     "trainer.mtp.loss_position_fraction": (0.25, {}),   # issue 17
+    "trainer.mtp.loss_depth_decay": (0.5, {}),   # issue 17
     "trainer.mtp.loss_type": ("tv", {}),
     "trainer.mtp.train_depths": (1, {}),
     "trainer.mtp.idle_head_train_every": (2, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
