@@ -44,7 +44,7 @@ TARGETS = ("bigram", "trigram")
 
 
 def variants(k: int, subset_fraction: float, names: str = ",".join(VARIANT_NAMES),
-             decays: tuple[float, ...] = (0.5,), decay: float = 0.5) -> list[dict]:
+             decays: tuple[float, ...] = (0.5,), decay: float = 1.0) -> list[dict]:
     chosen = names.split(",")
     return [v for v in _all_variants(k, subset_fraction, decays, decay) if v["kind"] in chosen]
 
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         seqs = sample_sequences(target, train_prompts, a.max_tokens, seed=1)
         print(f"sampled {len(seqs)} target sequences in {time.perf_counter() - t0:.1f}s", flush=True)
-        trained = {}
-        for v in variants(a.k, a.subset_fraction, a.variants, decays, a.decay):
+        trained, chosen = {}, variants(a.k, a.subset_fraction, a.variants, decays, a.decay)
+        for v in chosen:
             out = tmp / v["name"]
             info = train_head(start, seqs, a.prompt_len, v, a, out)
             trained[v["name"]] = (out / "hf", info)
@@ -232,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[round(x, 3) for x in info['top1_agreement_per_depth'] if x is not None]}", flush=True)
         reference = ("oracle", None, target, "greedy") if a.target == "bigram" else (
             "untrained", None, start, "probabilistic")
-        evals = [reference] + [
-            (v["name"], v, trained[v["name"]][0], d) for v in variants(a.k, a.subset_fraction, a.variants, decays, a.decay)
-            for d in v["drafts"]]
+        evals = [reference] + [(v["name"], v, trained[v["name"]][0], d) for v in chosen for d in v["drafts"]]
         for name, v, ckpt, draft in evals:
             r = acceptance(ckpt, eval_prompts, a.k, draft, a.max_tokens)
             info = trained[name][1] if v else {}
