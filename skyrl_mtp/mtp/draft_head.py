@@ -171,7 +171,7 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
                                      target_ids=target, **kwargs)
         else:
             out = draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)
-        loss_sum, num_tokens = (out.loss_sum, out.num_tokens) if w == 1.0 else (out.loss_sum * w, out.num_tokens * w)
+        loss_sum, num_tokens = out.loss_sum * w, out.num_tokens * w   # x * 1.0 is exact: equal weights change nothing
         total = loss_sum if total is None else total + loss_sum
         count = num_tokens if count is None else count + num_tokens
         per_depth.append((float(out.loss_sum.detach()), float(out.num_tokens), float(out.top1_agree)))
