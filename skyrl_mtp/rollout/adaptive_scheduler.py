@@ -76,12 +76,13 @@ class AdaptiveSpeculationScheduler(Scheduler):
         if not batch:
             self._step, self._prev_k = None, -1
             return out
-        k = self.policy.choose(batch)
-        out.num_spec_tokens_to_schedule = k
-        # steady (same k as the step before) and decode-only: every request is scheduled 1 + its drafts
-        # tokens, never fewer (vLLM trims drafts to what it schedules), so comparing the totals suffices
-        timed = k == self._prev_k and not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch + sum(
+        # decode-only: every request is scheduled 1 + its drafts tokens, never fewer (vLLM trims drafts to
+        # what it schedules), so comparing the totals suffices; timed when also at the k of the step before
+        decode_only = not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch + sum(
             len(d) for d in out.scheduled_spec_decode_tokens.values())
+        k = self.policy.choose(batch, decode_only)
+        out.num_spec_tokens_to_schedule = k
+        timed = k == self._prev_k and decode_only
         self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed)
         self._prev_k = k
         return out

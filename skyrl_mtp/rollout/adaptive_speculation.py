@@ -18,12 +18,13 @@ chosen per engine step to maximise expected tokens per second, from
   costs per k are made non-decreasing by isotonic regression weighted by how sure it is of each, and a
   step timed far beyond its prediction (a stall) counts as a bounded slow step.
 
-Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first step of each new
-batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing off while
+Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first decode-only step
+of each new batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing off while
 probes change nothing) runs, in turn, a neighbour of the best k (one shallower, one deeper) or k = 0 for two
 steps, so the next position's acceptance and the costs stay measured as the head and the batch change; and a k
 that may beat the best one within the fit's standard error is timed again soon (a challenge), so doubt does
-not hold the engine at a k the evidence has turned against. At k = 0 the drafter does not run; its KV cache
+not hold the engine at a k the evidence has turned against. Every exploration starts on a decode-only step
+(one the engine times) and ends when the batch leaves its bucket. At k = 0 the drafter does not run; its KV cache
 then has holes at the positions of those steps, which may lower later acceptance but never changes the emitted
 tokens (the target verifies every draft), and the measured acceptance sees that effect.
 
@@ -424,7 +425,14 @@ class SpeculationPolicy:
     Probes and bucket calibrations share one budget: each runs only when its predicted regret (regret_seconds:
     the engine time its steps take beyond what the best k needs for the same expected tokens) is within
     `explore_budget` of the engine time predicted since the last one. So exploring stays a small share of the
-    time both where a draft step costs many plain steps and where a shallower step gives up accepted drafts."""
+    time both where a draft step costs many plain steps and where a shallower step gives up accepted drafts.
+
+    Steady steps only: a probe, challenge or bucket calibration starts on a step that schedules decode tokens
+    only (`choose(batch, steady=True)`), the one kind of step the engine times, and its queued steps are
+    dropped once the batch leaves the bucket it was chosen for or a step takes prompt tokens. A rollout's
+    first steps (requests arriving, one to hundreds in a few steps) would otherwise start excursions that
+    are never timed, so the doubt behind them never settles and they recur at every rollout, and whose
+    second step runs at a batch many times the one their regret was charged at."""
 
     k_max: int
     warmup_cycles: int = 3
@@ -447,6 +455,7 @@ class SpeculationPolicy:
     model_histogram: list[int] = field(default_factory=list)
     explored_steps: int = 0        # steps run for exploration: warm-up, calibration cycles, probes, challenges
     _queue: list[int] = field(default_factory=list)
+    _queue_bucket: int = 0         # the bucket an exploration's queued steps are for (0: the warm-up, any batch)
     _cycled: set[int] = field(default_factory=set)           # buckets given a calibration cycle after warm-up
     _incumbent: dict[int, int] = field(default_factory=dict)  # per bucket: the k the model chose last
     _interval: int = 0
@@ -483,15 +492,20 @@ class SpeculationPolicy:
         """k_max, k_max, ..., 0, 0: each k twice, so the second step at k is a steady one (timed)."""
         return [k for k in range(self.k_max, -1, -1) for _ in range(2)]
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, steady: bool = True) -> int:
+        """k for an engine step of `batch` requests; `steady`: the step schedules decode tokens only (no
+        prompt tokens), so it can be timed and an exploration may start or go on there."""
         self.steps += 1
         b = bucket(batch)
         if self.steps == 1:
-            self._queue = self._cycle() * self.warmup_cycles
-        if (not self._queue and b not in self._cycled and not self.cost.covers(batch)
+            self._queue, self._queue_bucket = self._cycle() * self.warmup_cycles, 0
+        if self._queue and self._queue_bucket and (b != self._queue_bucket or not steady):
+            self._cycled.discard(self._queue_bucket)   # an interrupted calibration may run again later
+            self._queue = []
+        if (steady and not self._queue and b not in self._cycled and not self.cost.covers(batch)
                 and self._calibration_due(batch)):
             self._cycled.add(b)
-            self._queue = self._cycle()
+            self._queue, self._queue_bucket = self._cycle(), b
             self._spent_at_probe = self._spent
         queued = bool(self._queue)
         if queued:
@@ -508,9 +522,9 @@ class SpeculationPolicy:
             self._last_best = k
             self._spent += self.cost.step_seconds(max(batch, 1), k)
             rival = self._memo[1][1] if self._memo else -1
-            if rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
+            if steady and rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
                 k = self._challenge(k, rival, max(batch, 1))
-            elif self.probe_every and self.steps >= self._next_probe_at:   # measure another k (never the best)
+            elif steady and self.probe_every and self.steps >= self._next_probe_at:   # another k (never the best)
                 k = self._probe_step(k, max(batch, 1))
         self.chosen_sum += k
         self.chosen_count += 1
@@ -579,7 +593,7 @@ class SpeculationPolicy:
         self._spent_at_probe = self._spent
         self._next_challenge_at = self.steps + self._challenge_gap
         self._challenge_gap = min(2 * self._challenge_gap, max(self.probe_every_max, self.challenge_every))
-        self._queue = [rival]
+        self._queue, self._queue_bucket = [rival], bucket(batch)
         return rival
 
     def _probe_step(self, best: int, batch: int) -> int:
@@ -594,7 +608,7 @@ class SpeculationPolicy:
             return best
         self._probe += 1
         self._spent_at_probe = self._spent
-        self._queue = [k]
+        self._queue, self._queue_bucket = [k], bucket(batch)
         self._interval = min(2 * self._interval, max(self.probe_every_max, self.probe_every))
         self._next_probe_at = self.steps + self._interval
         return k

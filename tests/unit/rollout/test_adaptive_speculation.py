@@ -14,6 +14,7 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     OnlineLinearFit,
     SpeculationPolicy,
     best_k,
+    bucket,
     dynamic_schedule,
     expected_tokens,
     install,
@@ -377,6 +378,31 @@ def test_probes_wait_for_their_exploration_budget():
     # a probe (k = 1, two steps of 0.100 s) emits 1.99 tokens per step, which k = 0 gives in 0.0199 s:
     # 2 x 0.0801 s of regret, so 2% of the time allows one per 801 steps
     assert probed == [6 + 801, 6 + 802], probed      # from the 801st step chosen by the model
+
+
+def test_explorations_start_on_steady_steps_and_stay_in_the_bucket_they_were_chosen_for():
+    """Rollouts as an RL engine sees them: prompt steps while the requests arrive (not timed), decode steps at
+    64 requests, then a tail at 8 and 2. With probes due at every chance, no exploration starts on a prompt
+    step, and none runs on in a bucket other than its own (its regret was charged at that batch)."""
+    def seconds(k):
+        return 0.006 + (k > 0) * 0.006 + max(k - 1, 0) * 0.002
+    rng = random.Random(0)
+    pol = SpeculationPolicy(k_max=3, probe_every=1, probe_every_max=1, explore_budget=1.0)
+    _engine(pol, rng, 64, [0.0] * 3, pol.warmup_steps, seconds)
+    rollout = [(1, False), (16, False), (64, False)] + [(64, True)] * 12 + [(8, True), (2, True)]
+    runs, prev = [], -1
+    for _ in range(20):
+        for batch, steady in rollout:
+            k = pol.choose(batch, steady)
+            if steady and k == prev:
+                pol.cost.observe(batch * (1 + k), batch, k, seconds(k) * math.exp(rng.gauss(0.0, 0.1)))
+            runs.append((batch, steady, k))
+            prev = k
+    assert sum(k > 0 for _, _, k in runs) >= 20                    # probes ran, on the steady steps
+    assert all(k == 0 for _, steady, k in runs if not steady), runs
+    for (b1, _, k1), (b2, _, k2) in zip(runs, runs[1:]):
+        if k1 > 0 and k2 > 0:
+            assert bucket(b1) == bucket(b2), runs
 
 
 def test_regret_counts_the_tokens_a_step_gives_up_as_well_as_its_time():
