@@ -456,6 +456,7 @@ class SpeculationPolicy:
     explored_steps: int = 0        # steps run for exploration: warm-up, calibration cycles, probes, challenges
     _queue: list[int] = field(default_factory=list)
     _queue_bucket: int = 0         # the bucket an exploration's queued steps are for (0: the warm-up, any batch)
+    _queue_calibrates: bool = False   # the queued steps are a bucket's calibration cycle
     _cycled: set[int] = field(default_factory=set)           # buckets given a calibration cycle after warm-up
     _incumbent: dict[int, int] = field(default_factory=dict)  # per bucket: the k the model chose last
     _interval: int = 0
@@ -500,12 +501,13 @@ class SpeculationPolicy:
         if self.steps == 1:
             self._queue, self._queue_bucket = self._cycle() * self.warmup_cycles, 0
         if self._queue and self._queue_bucket and (b != self._queue_bucket or not steady):
-            self._cycled.discard(self._queue_bucket)   # an interrupted calibration may run again later
+            if self._queue_calibrates:   # a calibration cut short may run again later, within the budget
+                self._cycled.discard(self._queue_bucket)
             self._queue = []
         if (steady and not self._queue and b not in self._cycled and not self.cost.covers(batch)
                 and self._calibration_due(batch)):
             self._cycled.add(b)
-            self._queue, self._queue_bucket = self._cycle(), b
+            self._queue, self._queue_bucket, self._queue_calibrates = self._cycle(), b, True
             self._spent_at_probe = self._spent
         queued = bool(self._queue)
         if queued:
@@ -593,7 +595,7 @@ class SpeculationPolicy:
         self._spent_at_probe = self._spent
         self._next_challenge_at = self.steps + self._challenge_gap
         self._challenge_gap = min(2 * self._challenge_gap, max(self.probe_every_max, self.challenge_every))
-        self._queue, self._queue_bucket = [rival], bucket(batch)
+        self._queue, self._queue_bucket, self._queue_calibrates = [rival], bucket(batch), False
         return rival
 
     def _probe_step(self, best: int, batch: int) -> int:
@@ -608,7 +610,7 @@ class SpeculationPolicy:
             return best
         self._probe += 1
         self._spent_at_probe = self._spent
-        self._queue, self._queue_bucket = [k], bucket(batch)
+        self._queue, self._queue_bucket, self._queue_calibrates = [k], bucket(batch), False
         self._interval = min(2 * self._interval, max(self.probe_every_max, self.probe_every))
         self._next_probe_at = self.steps + self._interval
         return k
