@@ -48,7 +48,7 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
     every = knob.idle_head_train_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         out.append(problem("trainer.mtp.idle_head_train_every", every,
-                           "must be an int >= 1 (train the head on every N-th step while the engines do not draft)"))
+                           "must be an int >= 1 (the head trains at least on every N-th step)"))
     if knob.train_depths is not None and knob.train_depths < 1:
         out.append(problem("trainer.mtp.train_depths", knob.train_depths,
                            "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)"))

@@ -58,11 +58,11 @@ class MTPConfig:
     # num_speculative_tokens=auto, each step trains the depths the engines drafted in >= 10% of the
     # rollout's engine steps plus one more (at most max_speculative_tokens; mtp/draft_depths.py).
     train_depths: int | None = None
-    # num_speculative_tokens=auto with train_depths=null: while the engines draft in fewer than 10% of a
-    # rollout's engine steps (drafting does not pay at these batch sizes), the head trains only on RL
-    # steps that are a multiple of this (1: every step); it stays aligned with the policy at a fraction
-    # of the cost, and trains every step again as soon as the engines draft (the trade-off of 4 vs 8,
-    # measured: README, trainer.mtp.idle_head_train_every).
+    # num_speculative_tokens=auto with train_depths=null: the head trains on a step when the engine time its
+    # drafts saved since it last trained covers what its training took (mtp/draft_depths.py), and in any
+    # case on RL steps that are a multiple of this (1: every step): while drafting saves nothing it stays
+    # aligned with the policy at a fraction of the cost (the trade-off of 4 vs 8, measured: README,
+    # trainer.mtp.idle_head_train_every).
     idle_head_train_every: int = 8
 
 

@@ -1,28 +1,29 @@
-"""How many draft depths to train the head on this step when the engines choose k themselves.
+"""How many draft depths to train the head on this step when the engines choose k themselves, and whether
+to train it at all.
 
 Why this exists: under `trainer.mtp.num_speculative_tokens=auto` the engines draft anywhere from 0 to the
 maximum k per step. Training every depth up to the maximum costs the head's forward and backward once per
 depth even when the engines hardly draft at all, while training only the depths they use would stop the
 loop from ever deepening. So the head is trained on the depths the engines drafted in a real share of the
 last rollout's steps, plus one more: that next depth improves in the background, the engines' probes
-measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null under auto). While
-the engines hardly draft at all, the head trains on every few steps only (trainer.mtp.idle_head_train_every):
-kept aligned with the policy for when drafting pays again, at a fraction of the cost.
+measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null under auto).
+
+Training the head is only worth what its drafts save. Where they save little (a small model whose head
+costs as much as a trunk layer, drafting only in a rollout's short tail) training it on every step would
+cost more than drafting saves, so the head trains when the engine time its drafts saved since it last
+trained (HeadTrainingCredit, from the engines' policies) covers what its training took, and in any case on
+every `trainer.mtp.idle_head_train_every`-th step: kept aligned with the policy for when drafting pays again.
 
 The shares the trainer passes are those of the k each engine's policy chose, not of the k it ran: its
 probes, challenges and timing cycles run other ks on a small, steady share of the steps, and counted as
-drafting they would keep an engine that has stopped drafting looking busy (and its head training every step).
+drafting they would make the head train depths the engines do not use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MIN_SHARE = 0.1
-
-
-def engines_idle(k_shares: list[float], min_share: float = MIN_SHARE) -> bool:
-    """The engines drafted (k >= 1) in fewer than `min_share` of the steps; no steps recorded: not idle."""
-    total = float(sum(k_shares))
-    return total > 0 and sum(k_shares[1:]) / total < min_share
 
 
 def depths_to_train(k_shares: list[float], max_depths: int, min_share: float = MIN_SHARE) -> int:
@@ -37,3 +38,42 @@ def depths_to_train(k_shares: list[float], max_depths: int, min_share: float = M
         return max_depths
     used = [k for k, share in enumerate(k_shares) if share / total >= min_share]
     return max(1, min(max_depths, 1 + max(used, default=0)))
+
+
+@dataclass
+class HeadTrainingCredit:
+    """Whether the head trains on a step, from what drafting saved and what training the head costs.
+
+    `add(saved)` each step with the engine seconds the engines' verified drafts saved in its rollouts (a
+    negative figure counts as 0: exploration's cost is not the head's to repay); `due(step)`; `trained(s)`
+    after a step that trained the head, with the seconds its training took. The credit is capped at two
+    trainings' worth, so a long stretch where drafting paid does not keep training a head whose drafts
+    stopped paying."""
+
+    every: int
+    credit: float = 0.0
+    head_seconds: float | None = None   # the head's training time on the last step that trained it
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every={self.every!r} is invalid: an int >= 1 (trainer.mtp.idle_head_train_every)")
+
+    def add(self, saved_seconds: float) -> None:
+        self.credit += max(float(saved_seconds), 0.0)
+        if self.head_seconds is not None:
+            self.credit = min(self.credit, 2.0 * self.head_seconds)
+
+    def due(self, step: int) -> bool:
+        """Train on the step after `step` steps done: every `every`-th step, and in between once the credit
+        covers the head's last training time (any credit while that time is unknown)."""
+        if (step + 1) % self.every == 0:
+            return True
+        if self.head_seconds is None:
+            return self.credit > 0.0
+        return self.credit >= self.head_seconds
+
+    def trained(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r} is invalid: the head's training time, >= 0")
+        self.head_seconds = float(seconds)
+        self.credit = max(self.credit - self.head_seconds, 0.0)

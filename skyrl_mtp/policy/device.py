@@ -17,6 +17,7 @@ own code, executed where no GPU exists. Without it a CPU rank takes torch AdamW 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,13 @@ class RankDevice:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def clock(self) -> float:
+        """perf_counter once this rank's queued device work has finished (CUDA runs asynchronously): for
+        timing a stretch of training."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @property
     def megatron_optimizer(self) -> bool:

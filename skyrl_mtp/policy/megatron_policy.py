@@ -232,6 +232,7 @@ class MegatronPolicy:
         fn_metrics: dict[str, float] = {}
         depth_stats: list[list[float]] = []
         policy_loss_total = 0.0
+        head_seconds = 0.0
         for mb in micro_batches(batch, self.cfg.micro_batch_size):
             logits = self._forward(mb)
             lp = token_logprobs(logits, mb["input_ids"])
@@ -248,10 +249,12 @@ class MegatronPolicy:
                 continue
             from ..mtp.draft_head import compute_draft_loss
 
+            t_head = self.device.clock()
             res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
             del logits, lp
             if res.loss_sum.requires_grad:
                 (res.loss_sum * (self.cfg.mtp_loss_weight / n_draft)).backward()
+            head_seconds += self.device.clock() - t_head
             depth_stats += [[0.0, 0.0, 0.0] for _ in range(len(res.per_depth) - len(depth_stats))]
             for acc, vals in zip(depth_stats, res.per_depth):
                 for i in range(3):
@@ -263,10 +266,13 @@ class MegatronPolicy:
         metrics["policy/grad_norm"] = self.policy_side.step()  # clip over the policy's params only, then step
         self.policy_sched.step()
         if head_on:
+            t_head = self.device.clock()
             self.head_side.reduce_grads()
             metrics["mtp/lr"] = self.head_sched.get_last_lr()[0]
             metrics["mtp/grad_norm"] = self.head_side.step()
             self.head_sched.step()
+            # what training the head added to this update (its replay, loss, backward and optimizer step)
+            metrics["mtp/train_seconds"] = head_seconds + self.device.clock() - t_head
             loss_sum, n_tok = (self._global_sum(sum(d[i] for d in depth_stats)) for i in range(2))
             metrics["mtp/loss"] = loss_sum / max(n_tok, 1.0)
             metrics["mtp/num_tokens"] = n_tok

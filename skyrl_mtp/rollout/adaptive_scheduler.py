@@ -8,7 +8,7 @@ once speculation is configured (`EngineCore.post_step` -> `take_draft_token_ids`
 the multi-process executor that a no-spec engine never makes; at k = 0 it is skipped here, so a step that
 drafts nothing costs what a no-spec step costs. The scheduler also times whole steps (one schedule() to
 the next: round trips and output processing included) for the cost model, and reads acceptance from what
-was verified.
+was verified, and what the verified drafts saved (SpeculationPolicy.credit_verified).
 
 Installed with the engine argument `scheduler_cls` (EngineConfig sets it when adaptive_speculation is
 on); the worker half (adaptive_speculation.install) follows the k it is sent.
@@ -99,6 +99,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
                 drafts.append(len(tokens))
                 accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
             self.policy.acceptance.observe(drafts, accepted)
+            self.policy.credit_verified(len(scheduler_output.num_scheduled_tokens), drafts, accepted)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:

@@ -18,8 +18,9 @@ chosen per engine step to maximise expected tokens per second, from
   costs per k are made non-decreasing by isotonic regression weighted by how sure it is of each, and a
   step timed far beyond its prediction (a stall) counts as a bounded slow step.
 
-Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and so does the first decode-only step
-of each new batch bucket while drafting can still pay. Afterwards a probe every `probe_every` steps (backing off while
+Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and the first decode-only step of each
+new batch bucket, while drafting can still pay, starts a cycle over the ks that bucket has not timed (a rollout's
+tail cuts such cycles short; the next one resumes with what is left). Afterwards a probe every `probe_every` steps (backing off while
 probes change nothing) runs, in turn, a neighbour of the best k (one shallower, one deeper) or k = 0 for two
 steps, so the next position's acceptance and the costs stay measured as the head and the batch change; and a k
 that may beat the best one within the fit's standard error is timed again soon (a challenge), so doubt does
@@ -396,6 +397,13 @@ def regret_seconds(alphas: list[float], cost: CostModel, batch: int, k: int, bes
     return regret_from_costs(alphas, {j: cost.step_seconds(batch, j) for j in (k, best)}, k, best)
 
 
+def step_savings(costs: Mapping[int, float] | list[float], k: int, accepted_per_request: float) -> float:
+    """Engine seconds one step with k drafts per request saved against not drafting, at step costs per k
+    (costs[k]): its requests emitted 1 + accepted_per_request tokens each, which plain steps emit at one per
+    costs[0]; negative when the drafts cost more than they brought."""
+    return accepted_per_request * costs[0] - (costs[k] - costs[0])
+
+
 def regret_from_costs(alphas: list[float], costs: Mapping[int, float] | list[float], k: int, best: int) -> float:
     """regret_seconds with the step time per k given (costs[k], costs[best])."""
     per_token = costs[best] / expected_tokens(alphas, best)
@@ -408,7 +416,8 @@ class SpeculationPolicy:
 
     Calibration: the first steps cycle k over k_max..0, two steps each (`warmup_cycles` times). Later, when
     a batch bucket not yet timed at every k is met (the warm-up's steps may fall in smaller buckets while
-    a rollout's requests are still arriving), one more cycle times it there if drafting may pay (the live
+    a rollout's requests are still arriving), a cycle over the ks it has not timed (`_calibration`) runs
+    there if drafting may pay (the live
     acceptance can gain `min_gain` tokens per step and the model fitted so far, one standard error in
     drafting's favour, puts the best k > 0 within `calibrate_within` of k = 0 in tokens per second; an
     untrained head, or drafts that cost several plain steps: nothing to calibrate for; the probes keep
@@ -417,9 +426,15 @@ class SpeculationPolicy:
     Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
     beyond one standard error of the cost fit. Challenges: a k that could beat that choice within the
     standard error (plausible_rival) runs two steps, `challenge_every` steps after the choice moved and then
-    at doubling gaps while it stays, within the exploration budget, until the evidence settles it.
+    at doubling gaps while it stays, within the exploration budget, until the evidence settles it. The
+    choice moves when a bucket's choice changes, not when the batch passes into a bucket with a choice of
+    its own (a rollout's tail does that every rollout).
 
     New weights (`on_new_weights`): the acceptance evidence is cut to `refresh_attempts` drafts per position.
+
+    Savings (`credit_verified`): every verified step adds what its accepted drafts saved in engine time, by
+    the fitted costs (the plain steps those tokens would have taken, less what drafting and verifying
+    added), to `seconds_saved`: the trainer weighs it against what training the head costs.
 
     Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
     Probes and bucket calibrations share one budget: each runs only when its predicted regret (regret_seconds:
@@ -461,12 +476,12 @@ class SpeculationPolicy:
     _incumbent: dict[int, int] = field(default_factory=dict)  # per bucket: the k the model chose last
     _interval: int = 0
     _next_probe_at: int = 0
-    _last_best: int = -1
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
     _memo: tuple[tuple, tuple[int, int]] | None = None
     _next_challenge_at: int = 0
     _challenge_gap: int = 0
+    seconds_saved: float = 0.0     # engine seconds the verified drafts saved (credit_verified; may be < 0)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -493,6 +508,17 @@ class SpeculationPolicy:
         """k_max, k_max, ..., 0, 0: each k twice, so the second step at k is a steady one (timed)."""
         return [k for k in range(self.k_max, -1, -1) for _ in range(2)]
 
+    def _calibration(self, batch: int) -> list[int]:
+        """A bucket's calibration cycle: each k it has not timed yet, twice, nearest the k it runs at first
+        (the shallower on a tie). A rollout's tail passes through a bucket in a few steps, so its cycles are
+        cut short; each one that times a single k leaves less for the next, where a cycle from k_max down
+        would start over at the dearest k every time and never reach k = 0."""
+        b = bucket(batch)
+        incumbent = self._incumbent.get(b, 0)
+        seen = self.cost.seen_k.get(b, set())
+        todo = sorted((k for k in range(self.k_max + 1) if k not in seen), key=lambda k: (abs(k - incumbent), k))
+        return [k for k in todo for _ in range(2)]
+
     def choose(self, batch: int, steady: bool = True) -> int:
         """k for an engine step of `batch` requests; `steady`: the step schedules decode tokens only (no
         prompt tokens), so it can be timed and an exploration may start or go on there."""
@@ -507,7 +533,7 @@ class SpeculationPolicy:
         if (steady and not self._queue and b not in self._cycled and not self.cost.covers(batch)
                 and self._calibration_due(batch)):
             self._cycled.add(b)
-            self._queue, self._queue_bucket, self._queue_calibrates = self._cycle(), b, True
+            self._queue, self._queue_bucket, self._queue_calibrates = self._calibration(batch), b, True
             self._spent_at_probe = self._spent
         queued = bool(self._queue)
         if queued:
@@ -515,13 +541,13 @@ class SpeculationPolicy:
             chosen = self._incumbent.get(b, -1)   # -1: the model has not chosen at this batch size yet
         else:
             k = chosen = self._model_choice(max(batch, 1))
+            moved = self._incumbent.get(b) != k    # per bucket: a rollout's tail passing through is no move
             self._incumbent[b] = k
-            if k != self._last_best or not self._interval:   # the choice moved: watch closely again
+            if moved or not self._interval:   # the choice moved: watch closely again
                 self._interval = self.probe_every
                 self._challenge_gap = self.challenge_every
                 self._next_probe_at = min(self._next_probe_at or self.steps + self._interval,
                                           self.steps + self._interval)
-            self._last_best = k
             self._spent += self.cost.step_seconds(max(batch, 1), k)
             rival = self._memo[1][1] if self._memo else -1
             if steady and rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
@@ -567,7 +593,7 @@ class SpeculationPolicy:
         rates = [expected_tokens(alphas, k) / c for k, c in enumerate(hopeful)]
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
-        extra = sum(regret_from_costs(alphas, hopeful, k, best) for k in self._cycle())
+        extra = sum(regret_from_costs(alphas, hopeful, k, best) for k in self._calibration(batch))
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _hopeful_costs(self, batch: int) -> list[float]:
@@ -640,12 +666,24 @@ class SpeculationPolicy:
         """The engine got new weights: the acceptance seen so far was the old head's (and target's)."""
         self.acceptance.refresh(self.refresh_attempts)
 
+    def credit_verified(self, batch: int, num_drafts: list[int], num_accepted: list[int]) -> float:
+        """One verify step of `batch` requests (per request that carried drafts: drafts scheduled, drafts
+        accepted): add what it saved (step_savings at the fitted costs of its batch) to `seconds_saved`, and
+        return it."""
+        if not any(num_drafts):
+            return 0.0
+        batch = max(int(batch), len(num_drafts), 1)
+        k = min(max(int(d) for d in num_drafts), self.k_max)
+        saved = step_savings(self.cost.monotone_step_seconds(batch), k, sum(num_accepted) / batch)
+        self.seconds_saved += saved
+        return saved
+
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
                 "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
-                "calibrated_buckets": self.cost.covered_buckets()}
+                "calibrated_buckets": self.cost.covered_buckets(), "seconds_saved": self.seconds_saved}
 
 
 # ----------------------------------------------------------------------------------- the vLLM hook

@@ -194,12 +194,15 @@ class InferenceEngine:
             prev = cur
         cur = prev   # the last snapshot (stable, or the latest after 50 tries)
         if self.cfg.adaptive_speculation:
-            stats = await self.adaptive_speculation_stats()
-            policy = stats["policy"]
-            cur = replace(cur, speculation_steps=float(stats["steps"]), speculation_k_sum=float(stats["k_sum"]),
-                          speculation_k_hist=tuple(float(n) for n in stats["k_histogram"]),
+            # the engine core's policy counts the steps it scheduled at each k, which are the steps the worker
+            # ran (the integration test checks both histograms agree); asking the worker as well would add a
+            # round trip through vLLM's executor to every window segment
+            policy = await self._policy_stats()
+            cur = replace(cur, speculation_steps=float(policy["steps"]), speculation_k_sum=float(policy["k_sum"]),
+                          speculation_k_hist=tuple(float(n) for n in policy["k_histogram"]),
                           speculation_model_k_hist=tuple(float(n) for n in policy["model_k_histogram"]),
-                          speculation_explored_steps=float(policy["explored_steps"]))
+                          speculation_explored_steps=float(policy["explored_steps"]),
+                          speculation_seconds_saved=float(policy["seconds_saved"]))
         return cur
 
     async def compiled_graphs(self) -> int:
@@ -213,15 +216,20 @@ class InferenceEngine:
         the one k is chosen on, is also given at the top level ("acceptance_per_pos", "attempts_per_pos")."""
         if not self.cfg.adaptive_speculation:
             return None
+        worker = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
+        policy = await self._policy_stats()
+        return {**worker, "acceptance_per_pos": policy["acceptance_per_pos"],
+                "attempts_per_pos": policy["attempts_per_pos"], "policy": policy}
+
+    async def _policy_stats(self) -> dict[str, Any]:
+        """The engine core's speculation policy (adaptive_scheduler.POLICY_STATS_UTILITY)."""
         from skyrl_mtp.rollout.adaptive_scheduler import POLICY_STATS_UTILITY
 
-        worker = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
         policy = await self._engine.engine_core.call_utility_async(POLICY_STATS_UTILITY)
         if policy is None:
             raise RuntimeError(f"engine {self.engine_index}: adaptive speculation is on but the engine core's "
                                "scheduler is not skyrl_mtp's adaptive one")
-        return {**worker, "acceptance_per_pos": policy["acceptance_per_pos"],
-                "attempts_per_pos": policy["attempts_per_pos"], "policy": policy}
+        return policy
 
     # ---- weight sync: vLLM's weight-transfer API (the trainer-side engine drives these) --------------
 

@@ -49,6 +49,8 @@ class SpecCounters:
     # at all), and how many steps explored
     speculation_model_k_hist: tuple[float, ...] = ()
     speculation_explored_steps: float = 0.0
+    # engine seconds the verified drafts saved against not drafting, at the policy's fitted step costs
+    speculation_seconds_saved: float = 0.0
 
     def _combine(self, other: SpecCounters, sign: float) -> SpecCounters:
         return SpecCounters(
@@ -62,6 +64,7 @@ class SpecCounters:
             speculation_k_hist=_pad_add(self.speculation_k_hist, other.speculation_k_hist, sign),
             speculation_model_k_hist=_pad_add(self.speculation_model_k_hist, other.speculation_model_k_hist, sign),
             speculation_explored_steps=self.speculation_explored_steps + sign * other.speculation_explored_steps,
+            speculation_seconds_saved=self.speculation_seconds_saved + sign * other.speculation_seconds_saved,
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -133,6 +136,8 @@ def summarize_window(delta: SpecCounters, label: str, num_speculative_tokens: in
             out[p + f"speculation_model_k_share_{k}"] = n / decided
     if delta.speculation_steps > 0 and delta.speculation_model_k_hist:
         out[p + "speculation_explored_share"] = min(1.0, delta.speculation_explored_steps / delta.speculation_steps)
+    if delta.speculation_steps > 0:   # summed over engines (the trainer's head-training credit reads it)
+        out[p + "speculation_seconds_saved"] = delta.speculation_seconds_saved
     return out
 
 

@@ -19,6 +19,7 @@ from skyrl_mtp.algorithms.dynamic_sampling import GroupAccumulator
 from skyrl_mtp.algorithms.overlong import overlong_filter_mask, soft_overlong_penalty
 from skyrl_mtp.config.build import loop_config
 from skyrl_mtp.data.datasets import PromptBatchIterator, PromptExample
+from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit, depths_to_train
 from skyrl_mtp.rollout.sampling import SamplingSpec
 from skyrl_mtp.trainer.batch import build_train_batch
 from skyrl_mtp.trainer.environments import Environment, RolloutGroup
@@ -70,6 +71,8 @@ class RLTrainer:
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.step = 0
         self.loss_kwargs = dict(loop.loss_kwargs)
+        # auto k: whether the head trains on a step (what its drafts saved vs what its training costs)
+        self.head_credit = HeadTrainingCredit(loop.idle_head_train_every)
 
     # ------------------------------------------------------------------ lifecycle
     def resume_if_possible(self) -> int:
@@ -226,16 +229,15 @@ class RLTrainer:
             len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
         head = {}
         if self.loop.head_max_depths is not None:   # auto k: train the depths the engines drafted, and one more
-            from skyrl_mtp.mtp.draft_depths import depths_to_train, engines_idle
-
             # what the engines' policies chose, not the steps they spent exploring other ks: those are a
-            # small, steady share that would otherwise keep an engine that does not draft looking busy
+            # small, steady share that would otherwise make the head train depths the engines do not use
             shares = [metrics.get(f"rollout/train/speculation_model_k_share_{k}", 0.0)
                       for k in range(self.loop.head_max_depths + 1)]
             head["head_depths"] = depths_to_train(shares, self.loop.head_max_depths)
-            # while the engines do not draft, the head keeps up on every few steps (a function of the step
-            # number, so a resumed run trains it on the same steps)
-            head["train_head"] = not engines_idle(shares) or (self.step + 1) % self.loop.idle_head_train_every == 0
+            # engines run side by side: the rollout's wall time shrank by about one engine's saving
+            self.head_credit.add(metrics.get("rollout/train/speculation_seconds_saved", 0.0) / self.loop.num_engines)
+            metrics["train/head_credit_s"] = self.head_credit.credit
+            head["train_head"] = self.head_credit.due(self.step)
             metrics["train/head_depths"] = float(head["head_depths"])
             metrics["train/head_trained"] = float(head["train_head"])
         with timer.phase("train"):
@@ -245,6 +247,9 @@ class RLTrainer:
                                                     **head))
                 self._stop_if_not_finite(parts[-1], f"mini-batch {i + 1} of {len(batches)}", metrics, timer)
         metrics.update(mean_metrics(parts))
+        if head.get("train_head"):
+            metrics["train/head_seconds"] = sum(p.get("mtp/train_seconds", 0.0) for p in parts)
+            self.head_credit.trained(metrics["train/head_seconds"])
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
         with timer.phase("sync"):

@@ -199,6 +199,7 @@ def test_train_head_false_leaves_head_untouched_and_policy_unchanged(tiny_ckpt):
         assert torch.equal(s_on[n], s_off[n]), n
     m = on.train_step(make_batch(50), "dapo", {})  # and the head trains again when asked
     assert m["mtp/grad_norm"] > 0 and on.head_sched.last_epoch == 1
+    assert m["mtp/train_seconds"] > 0              # what it added (the trainer's head-training credit reads it)
     with pytest.raises(ValueError, match="train_head='no'"):
         on.train_step(make_batch(50), "dapo", {}, train_head="no")
     close(on, off)

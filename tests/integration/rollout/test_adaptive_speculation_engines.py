@@ -10,6 +10,8 @@ no draft fetch after a k = 0 step) and the mean k per step reaches the metrics.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -53,6 +55,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
             model_windows += 1
             assert sum(model) == pytest.approx(1.0), m
         assert 0.0 < m["rollout/train/speculation_explored_share"] <= 1.0, m
+        assert math.isfinite(m["rollout/train/speculation_seconds_saved"]), m   # the head-training credit's input
     assert model_windows >= 1
     import ray
 
@@ -109,6 +112,10 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
                 assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
             after = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
             rounds.append({key: _delta(before, after, key) for key in ("steps", "k0", "plain_steps")})
+            # the metrics window reads the engine core's counts only: they are the steps the worker ran at each k
+            ran = [a - b for a, b in zip(after["k_histogram"], before["k_histogram"])]
+            chosen = [a - b for a, b in zip(after["policy"]["k_histogram"], before["policy"]["k_histogram"])]
+            assert chosen == ran and sum(ran) > 0, (before, after)
             if i >= 1 and rounds[-1]["k0"] > 0.8 * rounds[-1]["steps"]:
                 break
     finally:
@@ -120,6 +127,8 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     assert after_sync["acceptance_per_pos"][0] == pytest.approx(before_sync["acceptance_per_pos"][0], abs=0.05)
     # the new head's drafts were seen (until the engine stopped drafting, then by its probes)
     assert after["acceptance_per_pos"][0] < after_sync["acceptance_per_pos"][0] - 0.2, (after_sync, after)
+    # drafts that are not accepted save nothing: their verified steps are charged what drafting added
+    assert after["policy"]["seconds_saved"] - after_sync["policy"]["seconds_saved"] < 1e-3, (after_sync, after)
     last = rounds[-1]
     assert last["k0"] > 0.8 * last["steps"], rounds          # settled: not drafting (probes aside)
     assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec

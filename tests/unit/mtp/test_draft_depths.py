@@ -28,9 +28,43 @@ def test_a_maximum_below_one_is_refused():
         depths_to_train([1.0], 0)
 
 
-def test_engines_are_idle_when_they_hardly_draft():
-    from skyrl_mtp.mtp.draft_depths import engines_idle
+def test_the_head_trains_when_its_drafts_saved_what_its_training_costs():
+    from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit
 
-    assert engines_idle([0.95, 0.05, 0.0, 0.0])
-    assert not engines_idle([0.85, 0.15, 0.0, 0.0])
-    assert not engines_idle([0, 0, 0, 0])          # no steps recorded: nothing says drafting is idle
+    c = HeadTrainingCredit(every=8)
+    assert not c.due(0)                      # nothing saved yet, cost unknown
+    c.add(-0.3)                              # exploration's cost is not the head's to repay
+    assert c.credit == 0.0 and not c.due(1)
+    c.add(0.01)
+    assert c.due(2)                          # any saving while the head's cost is unknown
+    c.trained(0.2)                           # measured: training takes 0.2 s
+    assert c.head_seconds == 0.2 and c.credit == 0.0
+    due = []
+    for step in range(3, 15):
+        c.add(0.05)                          # drafting saves 0.05 s a step: a training every 4 steps
+        due.append(c.due(step))
+        if due[-1]:
+            c.trained(0.2)
+    assert due == [False, False, False, True,     # steps 3-6: credit 0.05 .. 0.2
+                   True,                          # step 7: the every-8th floor (credit 0.05, spent)
+                   False, False, False, True,     # steps 8-11: 0.05 .. 0.2 again
+                   False, False, False], due
+    c.add(10.0)                              # a long stretch where drafting paid banks two trainings at most
+    assert c.credit == 0.4
+
+
+def test_the_head_trains_on_every_nth_step_when_drafting_saves_nothing():
+    from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit
+
+    c = HeadTrainingCredit(every=3)
+    trained = []
+    for step in range(9):
+        c.add(0.0)
+        trained.append(c.due(step))
+        if trained[-1]:
+            c.trained(0.1)
+    assert trained == [False, False, True] * 3
+    with pytest.raises(ValueError, match="idle_head_train_every"):
+        HeadTrainingCredit(every=0)
+    with pytest.raises(ValueError, match="seconds=-1"):
+        c.trained(-1)

@@ -20,6 +20,7 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     install,
     isotonic,
     regret_seconds,
+    step_savings,
 )
 
 
@@ -448,10 +449,10 @@ def test_a_new_buckets_calibration_waits_for_the_exploration_budget_when_draftin
     ks = [pol.choose(64) for _ in range(120)]
     # the cycle's regret (2 steps at k=2, 2 at k=1, each beyond what k = 0 needs for their tokens:
     # ~0.0083 s) fits 2% of the engine time after ~41 plain 0.010 s steps; only then is the bucket timed
-    # at every k, once
-    start = ks.index(2)
+    # at every k, once, the k it runs at (0) first
+    start = ks.index(1) - 2
     assert 38 <= start <= 46, start
-    assert ks[start:start + 6] == [2, 2, 1, 1, 0, 0] and not any(ks[:start]) and not any(ks[start + 6:])
+    assert ks[start:start + 6] == [0, 0, 1, 1, 2, 2] and not any(ks[:start]) and not any(ks[start + 6:])
     assert pol._cycled == {7}
 
 
@@ -482,7 +483,7 @@ def test_a_bucket_the_fit_can_only_extrapolate_to_is_calibrated_at_once_where_dr
     assert max(true_rates) == true_rates[3] > 1.15 * true_rates[0], true_rates   # yet it does
     # one standard error in drafting's favour does not rule it out: the cycle runs at once, not after the
     # hundreds of steps the mean's regret would take to fit the budget
-    assert [pol.choose(16) for _ in range(10)] == [3, 3, 2, 2, 1, 1, 0, 0, 0, 0]
+    assert [pol.choose(16) for _ in range(10)] == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0]
     assert pol._cycled == {5}
 
 
@@ -612,3 +613,79 @@ def test_idle_head_cadence_reaches_the_loop_only_when_the_depths_follow_the_engi
     assert fixed_k.head_max_depths is None and fixed_k.idle_head_train_every == 1
     with pytest.raises(ConfigError, match=r"trainer\.mtp\.idle_head_train_every=0"):
         load_config(["recipe=tiny_dapo", "trainer.mtp.idle_head_train_every=0"])
+
+
+def test_a_verified_step_is_credited_what_its_accepted_drafts_saved_at_the_fitted_costs():
+    # steps cost 10 ms plain and 4 ms more per draft at batch 8: two drafts accepted per request save two
+    # plain steps (20 ms) for 8 ms of drafting; none accepted cost the 8 ms
+    assert step_savings([0.010, 0.014, 0.018], 2, 2.0) == pytest.approx(0.012)
+    assert step_savings([0.010, 0.014, 0.018], 2, 0.0) == pytest.approx(-0.008)
+    assert step_savings([0.010, 0.014, 0.018], 1, 0.5) == pytest.approx(0.001)
+    pol = SpeculationPolicy(k_max=2)
+    for _ in range(6):
+        for k in range(3):
+            pol.cost.observe(8 * (1 + k), 8, k, 0.010 + 0.004 * k)
+    costs = pol.cost.monotone_step_seconds(8)
+    assert costs == pytest.approx([0.010, 0.014, 0.018], rel=1e-3)
+    assert pol.credit_verified(8, [2] * 8, [2] * 8) == pytest.approx(0.012, rel=1e-2)
+    # half the batch carried drafts, one of each two accepted: 4 tokens gained over 8 requests
+    assert pol.credit_verified(8, [2] * 4, [1] * 4) == pytest.approx(0.5 * costs[0] - (costs[2] - costs[0]))
+    assert pol.credit_verified(8, [0] * 8, [0] * 8) == 0.0          # nothing drafted: nothing to credit
+    assert pol.seconds_saved == pytest.approx(0.012 + 0.5 * costs[0] - (costs[2] - costs[0]), rel=1e-2)
+    assert pol.stats()["seconds_saved"] == pol.seconds_saved
+
+
+def _rl_rollouts(pol: SpeculationPolicy, rng: random.Random, alphas: list[float], rollouts: int, seconds):
+    """The engine steps of RL rollouts as the tiny default runs them: requests arriving (prompt steps, not
+    steady) at batch 1 then 64, 30 decode steps at 64, then a tail passing through every smaller bucket in
+    one to three steps each. Returns (rollout, batch, k, explored) per step."""
+    shape = [(1, False)] + [(64, False)] * 3 + [(64, True)] * 30 + [
+        (b, True) for b in (40, 32, 20, 16, 12, 8, 6, 4, 3, 2, 2, 1, 1, 1)]
+    out, prev = [], -1
+    for r in range(rollouts):
+        for batch, steady in shape:
+            explored = pol.explored_steps
+            k = pol.choose(batch, steady)
+            if k:
+                accepted = []
+                for _ in range(batch):
+                    a = 0
+                    while a < k and rng.random() < alphas[a]:
+                        a += 1
+                    accepted.append(a)
+                pol.acceptance.observe([k] * batch, accepted)
+            if steady and k == prev and pol.timing_valid:
+                pol.cost.observe(batch * (1 + k), batch, k, seconds(batch, k) * math.exp(rng.gauss(0.0, 0.1)))
+            out.append((r, batch, k, pol.explored_steps > explored))
+            prev = k
+    return out
+
+
+def _tiny_default_step(batch: int, k: int) -> float:
+    """Step times shaped like the tiny default's on 2 CPU cores (k = 0: 2.5 ms at batch 1, 7.8 ms at 64; a
+    first draft step ~2.5 ms + 0.12 ms per request, each further one ~0.8 ms + 0.02 ms per request)."""
+    t = 2.4 + 0.085 * batch
+    if k:
+        t += 2.5 + 0.12 * batch + (k - 1) * (0.8 + 0.02 * batch)
+    return t / 1000
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rollouts_tail_gets_every_bucket_timed_and_stops_drafting_where_it_does_not_pay(seed):
+    # a head accepted at 0.75 / 0.6 / 0.5: k = 0 is the fastest at every batch size here. The tail passes
+    # through each small bucket in 1-3 steps, so a calibration cycle there is always cut short; one that
+    # started over at k_max every time kept the tail buckets untimed at k < k_max, judged on the fit over
+    # all batches (which extrapolated k = 0 from batch 64 at ~1.6x its cost) and drafting at k = 3 there
+    alphas = [0.75, 0.6, 0.5]
+    assert all(min(range(4), key=lambda k: _tiny_default_step(b, k) / expected_tokens(alphas, k)) == 0
+               for b in range(1, 65))
+    pol = SpeculationPolicy(k_max=3)
+    steps = _rl_rollouts(pol, random.Random(seed), alphas, 40, _tiny_default_step)
+    assert pol.cost.covered_buckets() == [1, 2, 3, 4, 5, 6, 7]
+    late = [s for s in steps if s[0] >= 30]
+    drafted = [s for s in late if s[2] > 0]
+    assert len(drafted) <= 0.02 * len(late), drafted
+    assert all(pol._incumbent[b] == 0 for b in range(1, 8)), pol._incumbent
+    # a bucket's choice is its own: the tail moving through buckets is not the choice moving, so the probes
+    # keep backing off
+    assert sum(s[3] for s in late) <= 0.02 * len(late), sum(s[3] for s in late)

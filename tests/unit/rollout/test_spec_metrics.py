@@ -154,3 +154,13 @@ def test_the_policys_own_choices_and_its_exploration_become_shares_of_the_window
                                          speculation_model_k_hist=(0.0, 0.0, 0.0, 0.0), speculation_explored_steps=24.0),
                             "train", 3, 1.0)
     assert not any("model_k_share" in key for key in warm) and warm["rollout/train/speculation_explored_share"] == 1.0
+
+
+def test_what_the_drafts_saved_is_summed_over_engines_and_windowed():
+    a0, b0 = SpecCounters(speculation_steps=5.0, speculation_seconds_saved=1.0), SpecCounters(
+        speculation_steps=5.0, speculation_seconds_saved=-0.5)
+    a1, b1 = SpecCounters(speculation_steps=25.0, speculation_seconds_saved=1.75), SpecCounters(
+        speculation_steps=15.0, speculation_seconds_saved=-0.25)
+    m = summarize_window(sum_counters([a1, b1]) - sum_counters([a0, b0]), "train", 3, 1.0)
+    assert m["rollout/train/speculation_seconds_saved"] == pytest.approx(1.0)
+    assert "rollout/train/speculation_seconds_saved" not in summarize_window(SpecCounters(), "train", 3, 1.0)

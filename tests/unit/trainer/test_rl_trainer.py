@@ -28,10 +28,11 @@ from skyrl_mtp.trainer.trainer import RLTrainer
 class FakeWindow:
     """`k_shares`: the k the engines' policies chose per step, as a rollout reports it (auto k); the ks run
     (`speculation_k_share_*`, exploration included) are reported drafting on every step, which the trainer
-    must not read as the engines drafting."""
+    must not read as the engines drafting. `saved`: engine seconds the drafts saved per window (summed over
+    engines)."""
 
-    def __init__(self, k_shares=()):
-        self.k_shares = list(k_shares)
+    def __init__(self, k_shares=(), saved=0.0):
+        self.k_shares, self.saved = list(k_shares), saved
 
     def start(self, label): self.label = label
     def pause(self): pass
@@ -40,7 +41,8 @@ class FakeWindow:
     def stop(self):
         return {f"rollout/{self.label}/draft_acceptance_rate": 0.5,
                 **{f"rollout/{self.label}/speculation_model_k_share_{k}": s for k, s in enumerate(self.k_shares)},
-                **{f"rollout/{self.label}/speculation_k_share_{k}": float(k == 1) for k in range(len(self.k_shares))}}
+                **{f"rollout/{self.label}/speculation_k_share_{k}": float(k == 1) for k in range(len(self.k_shares))},
+                **({f"rollout/{self.label}/speculation_seconds_saved": self.saved} if self.k_shares else {})}
 
 
 class FakeEngines:
@@ -76,7 +78,11 @@ class FakePolicy:
         self.updates.append(int(batch["input_ids"].shape[0]))
         self.head_args.append(head)
         loss = self.losses.pop(0) if self.losses else 0.5
-        return {"policy/loss": loss, "policy/grad_norm": 1.0, "mtp/loss": 2.0}
+        trained = head.get("train_head", True)
+        return {"policy/loss": loss, "policy/grad_norm": 1.0, "mtp/loss": 2.0,
+                **({"mtp/train_seconds": self.head_seconds} if trained else {})}
+
+    head_seconds = 0.1   # what training the head takes per update
 
     def export_weights(self):
         return {}
@@ -229,18 +235,24 @@ def test_resume_never_starts_fresh(tmp_path):
     assert r.resume_if_possible() == 0 and r.step == 0 and r.policy.loaded == []
 
 
-@pytest.mark.parametrize("shares,trained,depths", [
-    ((0.95, 0.05, 0.0, 0.0), [False, False, True, False, False, True], 1),   # idle: every 3rd step, depth 1
-    ((0.5, 0.0, 0.5, 0.0), [True] * 6, 3),                                 # drafting k=2: every step, 1 deeper
+@pytest.mark.parametrize("shares,saved,trained,depths", [
+    # drafting saves nothing: every 3rd step, depth 1
+    ((0.95, 0.05, 0.0, 0.0), 0.0, [False, False, True, False, False, True], 1),
+    # drafting k=2 saves more than the head's training takes (0.1 s): every step, one depth deeper
+    ((0.5, 0.0, 0.5, 0.0), 0.15, [True] * 6, 3),
+    # it saves 0.05 s a step: the first saving trains it (its cost is unknown), then the every-3rd floor and
+    # step 4, where two steps' savings cover the 0.1 s its training took
+    ((0.5, 0.0, 0.5, 0.0), 0.05, [True, False, True, False, True, True], 3),
 ])
-def test_auto_k_trains_the_head_on_the_depths_and_steps_the_engines_need(tmp_path, shares, trained, depths):
+def test_auto_k_trains_the_head_on_the_depths_and_steps_the_engines_need(tmp_path, shares, saved, trained, depths):
     t = _trainer(tmp_path, "trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.idle_head_train_every=3",
                  "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null")
-    t.engines.metrics = FakeWindow(shares)
+    t.engines.metrics = FakeWindow(shares, saved)
     rows = [t.train_step() for _ in range(6)]
     assert [a["train_head"] for a in t.policy.head_args] == trained
     assert {a["head_depths"] for a in t.policy.head_args} == {depths}
     assert [r["train/head_trained"] for r in rows] == [float(x) for x in trained]
+    assert [r.get("train/head_seconds") for r in rows] == [0.1 if x else None for x in trained]
     assert t.engines.head_changed == trained     # a step that left the head as it was does not push it
 
 
