@@ -76,6 +76,17 @@ def test_probes_take_turns_over_the_neighbours_and_k0():
     assert [pol._next_probe(0, p) for p in range(1, 3)] == [1, 1]
 
 
+def _accepted(rng: random.Random, alphas: list[float], k: int, batch: int) -> list[int]:
+    """Drafts accepted per request of a verify step with k drafts each (conditional rates `alphas`)."""
+    accepted = []
+    for _ in range(batch):
+        a = 0
+        while a < k and rng.random() < alphas[a]:
+            a += 1
+        accepted.append(a)
+    return accepted
+
+
 def _engine(pol: SpeculationPolicy, rng: random.Random, batch: int, alphas: list[float], steps: int,
             seconds, stall: float = 0.05) -> list[int]:
     """A stand-in engine for the pure policy: per step, the chosen k, drafts accepted per request drawn from
@@ -85,13 +96,7 @@ def _engine(pol: SpeculationPolicy, rng: random.Random, batch: int, alphas: list
     for _ in range(steps):
         k = pol.choose(batch)
         if k:
-            accepted = []
-            for _ in range(batch):
-                a = 0
-                while a < k and rng.random() < alphas[a]:
-                    a += 1
-                accepted.append(a)
-            pol.acceptance.observe([k] * batch, accepted)
+            pol.acceptance.observe([k] * batch, _accepted(rng, alphas, k, batch))
         t = seconds(k) * math.exp(rng.gauss(0.0, 0.1)) * (rng.uniform(1.5, 3.0) if rng.random() < stall else 1.0)
         if ks and ks[-1] == k and pol.timing_valid:
             pol.cost.observe(batch * (1 + k), batch, k, t)
@@ -647,13 +652,7 @@ def _rl_rollouts(pol: SpeculationPolicy, rng: random.Random, alphas: list[float]
             explored = pol.explored_steps
             k = pol.choose(batch, steady)
             if k:
-                accepted = []
-                for _ in range(batch):
-                    a = 0
-                    while a < k and rng.random() < alphas[a]:
-                        a += 1
-                    accepted.append(a)
-                pol.acceptance.observe([k] * batch, accepted)
+                pol.acceptance.observe([k] * batch, _accepted(rng, alphas, k, batch))
             if steady and k == prev and pol.timing_valid:
                 pol.cost.observe(batch * (1 + k), batch, k, seconds(batch, k) * math.exp(rng.gauss(0.0, 0.1)))
             out.append((r, batch, k, pol.explored_steps > explored))
