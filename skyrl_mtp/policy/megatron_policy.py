@@ -28,6 +28,13 @@ from .megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_t
 
 POLICY_LOSSES = tuple(REQUIRED_TRAIN_KEYS)  # "dapo" (RL), "sft" (warm start)
 WEIGHT_STREAMS = ("main", "draft")  # iter_hf_weights: the target model's tensors / the MTP head's
+# Train-step metrics that time the step rather than describe its arithmetic; every other metric is a
+# function of weights, batch and config alone, so two runs of the same step agree on it exactly.
+WALL_CLOCK_METRICS = frozenset({"mtp/train_seconds"})
+
+
+def reproducible_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k not in WALL_CLOCK_METRICS}
 
 
 def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron.hf_bridge import megatron_to_hf
-from skyrl_mtp.policy.megatron_policy import MegatronPolicy, load_hf_weights
+from skyrl_mtp.policy.megatron_policy import MegatronPolicy, load_hf_weights, reproducible_metrics
 from skyrl_mtp.policy.synthetic_batch import random_dapo_batch
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ def test_cpu_rank_recompute_stream_export(tiny_ckpt, tmp_path):
                 lambda *_a, _n=name: calls.__setitem__(_n, calls[_n] + 1))
         for seed in range(2):
             m1, m2 = plain.train_step(_batch(seed), "dapo", {}), recompute.train_step(_batch(seed), "dapo", {})
-            assert m1 == m2
+            assert m1.keys() == m2.keys() and reproducible_metrics(m1) == reproducible_metrics(m2)
         assert calls == {"plain": 4, "recompute": 8}          # 2 micro-batches x 2 steps; recompute: again in backward
         main, draft = dict(plain.iter_hf_weights("main")), dict(plain.iter_hf_weights("draft"))
         assert main.keys().isdisjoint(draft.keys()) and (main.keys() | draft.keys()) == src.keys()
