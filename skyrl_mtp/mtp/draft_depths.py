@@ -77,3 +77,15 @@ class HeadTrainingCredit:
             raise ValueError(f"seconds={seconds!r} is invalid: the head's training time, >= 0")
         self.head_seconds = float(seconds)
         self.credit = max(self.credit - self.head_seconds, 0.0)
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"credit": self.credit, "head_seconds": self.head_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        """What a checkpoint saved, so a resumed run trains the head on the steps an unbroken one would."""
+        credit, seconds = state.get("credit"), state.get("head_seconds")
+        if not isinstance(credit, (int, float)) or credit < 0 or (
+                seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0)):
+            raise ValueError(f"head-training credit state {state!r} is invalid: expected credit >= 0 and "
+                             "head_seconds >= 0 or null")
+        self.credit, self.head_seconds = float(credit), None if seconds is None else float(seconds)

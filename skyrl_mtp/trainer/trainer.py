@@ -83,6 +83,8 @@ class RLTrainer:
         state = read_trainer_state(latest)
         self.policy.load_checkpoint(str(latest))
         self.data.load_state_dict(state["data"])
+        if "head_credit" in state:   # checkpoints written before it was saved start the credit afresh
+            self.head_credit.load_state_dict(state["head_credit"])
         self.step = int(state["step"])
         self.log(f"resumed from {latest} (step {self.step})")
         return self.step
@@ -297,6 +299,6 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         staging = self.run_dir.staging_dir(self.step)
         self.policy.save_checkpoint(str(staging))
-        state = {"step": self.step, "data": self.data.state_dict()}
+        state = {"step": self.step, "data": self.data.state_dict(), "head_credit": self.head_credit.state_dict()}
         path = self.run_dir.commit(staging, self.step, state, self.loop.keep_last)
         self.log(f"checkpoint: {path}")

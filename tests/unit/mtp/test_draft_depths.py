@@ -68,3 +68,22 @@ def test_the_head_trains_on_every_nth_step_when_drafting_saves_nothing():
         HeadTrainingCredit(every=0)
     with pytest.raises(ValueError, match="seconds=-1"):
         c.trained(-1)
+
+
+def test_the_credit_round_trips_through_a_checkpoint_and_rejects_bad_state():
+    from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit
+
+    c = HeadTrainingCredit(every=8)
+    c.add(0.05)
+    c.trained(0.2)
+    c.add(0.15)
+    restored = HeadTrainingCredit(every=8)
+    restored.load_state_dict(c.state_dict())
+    assert (restored.credit, restored.head_seconds) == (c.credit, c.head_seconds) == (0.15, 0.2)
+    assert not restored.due(3) and (restored.add(0.05), restored.due(4)) == (None, True)
+    fresh = HeadTrainingCredit(every=8)
+    fresh.load_state_dict({"credit": 0.0, "head_seconds": None})
+    assert fresh.head_seconds is None and not fresh.due(0)
+    for bad in ({"credit": -1.0, "head_seconds": 0.1}, {"credit": 0.1, "head_seconds": "x"}, {}):
+        with pytest.raises(ValueError, match="head-training credit state"):
+            HeadTrainingCredit(every=8).load_state_dict(bad)

@@ -256,6 +256,23 @@ def test_auto_k_trains_the_head_on_the_depths_and_steps_the_engines_need(tmp_pat
     assert t.engines.head_changed == trained     # a step that left the head as it was does not push it
 
 
+def test_a_resumed_run_trains_the_head_on_the_steps_an_unbroken_one_does(tmp_path):
+    args = ("trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.idle_head_train_every=3",
+            "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null", "trainer.checkpoint.every_n_steps=3")
+    t = _trainer(tmp_path, *args, "trainer.total_steps=3")
+    t.engines.metrics = FakeWindow((0.5, 0.0, 0.5, 0.0), 0.05)
+    t.fit()
+    state = json.loads((t.run_dir.latest() / "trainer_state.json").read_text())
+    assert state["head_credit"] == {"credit": 0.0, "head_seconds": pytest.approx(0.1)}
+    r = _trainer(tmp_path, *args, "trainer.total_steps=6")
+    r.engines.metrics = FakeWindow((0.5, 0.0, 0.5, 0.0), 0.05)
+    assert r.resume_if_possible() == 3
+    r.fit()
+    # as in the unbroken run above (saved 0.05 s a step): step 4's one saving does not cover the 0.1 s the head
+    # took, where a fresh credit (its cost unknown) would train it on any saving
+    assert [a["train_head"] for a in t.policy.head_args + r.policy.head_args] == [True, False, True, False, True, True]
+
+
 def test_fixed_k_trains_and_pushes_the_head_every_step(tmp_path):
     t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null")
     t.engines.metrics = FakeWindow((0.95, 0.05, 0.0))
