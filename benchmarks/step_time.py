@@ -22,6 +22,14 @@ run beside it) drawn with replacement, then step indices inside each drawn repea
 does the same work). With one repeat it sees step noise only. The per-step times of every run are in
 the JSON (`per_step`).
 
+A run's speed is largely set when it starts (its fresh engines and processes on a shared machine), and
+that run-to-run factor moves every phase alike. The `*_ratio_speed_normalised` figures divide it out:
+each run's time is taken per second of its `policy_work`, the policy's own forward (old_logprobs) and
+update (train less `mtp/train_seconds`, the head's share), work both set-ups do identically (the
+policy forward skips the MTP block; engines idle in both). Their intervals come from the same bootstrap.
+They cannot see a cost that speculation adds to that policy work itself (it would cancel), which the
+raw ratios still carry.
+
     python benchmarks/step_time.py [--steps 12] [--repeats 1] [--setups a,b] [--quick] [--json OUT] [override ...]
 """
 
@@ -45,6 +53,7 @@ SETUPS = {
     "no_spec": ["trainer.mtp.enabled=false"],
 }
 PHASES = ("generate", "reward", "old_logprobs", "train", "sync", "step")
+REFERENCE = "policy_work"   # the same work in every set-up: the speed meter of the normalised ratios
 # --quick: a smoke size (two set-ups, 2 steps of a small batch, no warm start); explicit flags and
 # overrides still win (later Hydra overrides replace earlier ones)
 QUICK = dict(steps=2, skip=1, setups="spec_auto,no_spec")
@@ -86,32 +95,60 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     return out
 
 
+def policy_work(row: dict) -> float:
+    """Seconds of the step spent on work every set-up does alike: the policy's forward for old logprobs
+    and its update, less what training the MTP head added to the update (`mtp/train_seconds`)."""
+    return (row.get("timing/old_logprobs_s", 0.0) + row.get("timing/train_s", 0.0)
+            - row.get("mtp/train_seconds", 0.0))
+
+
 def step_times(rows: list[dict], skip: int, phase: str) -> list[float]:
-    """One phase's time per step, for the steps the means use."""
+    """One phase's time per step (or REFERENCE's), for the steps the means use."""
+    if phase == REFERENCE:
+        return [policy_work(r) for r in after_skip(rows, skip)]
     return [r.get(f"timing/{phase}_s", 0.0) for r in after_skip(rows, skip)]
 
 
 def ratio_ci95(spec_runs: list[list[float]], base_runs: list[list[float]], draws: int = 2000,
-               seed: int = 0) -> tuple[float, float]:
+               seed: int = 0, spec_ref: list[list[float]] | None = None,
+               base_ref: list[list[float]] | None = None) -> tuple[float, float]:
     """95% bootstrap interval of mean(spec steps) / mean(base steps). spec_runs[i] and base_runs[i] are the
     per-step times of the two runs of repeat i, step j of both doing the same work (same seeds and data,
     and sampling that drafting does not change). A draw takes repeats with replacement, then step indices
-    with replacement inside each, keeping the pairs together."""
+    with replacement inside each, keeping the pairs together. With spec_ref / base_ref (per-step times of
+    the reference work, shaped like the runs) it is the interval of the speed-normalised ratio
+    (sum spec / sum spec_ref) / (sum base / sum base_ref), the references drawn with their steps."""
     if len(spec_runs) != len(base_runs) or not spec_runs or any(
             len(s) != len(b) or not s for s, b in zip(spec_runs, base_runs)):
         raise ValueError(f"need the same number (>= 1) of spec and base runs, paired runs of the same (>= 1) "
                          f"steps; got {[len(r) for r in spec_runs]} and {[len(r) for r in base_runs]}")
+    if (spec_ref is None) != (base_ref is None):
+        raise ValueError("give both spec_ref and base_ref, or neither")
+    normalised = spec_ref is not None
+    if normalised and ([len(r) for r in spec_ref] != [len(r) for r in spec_runs]
+                       or [len(r) for r in base_ref] != [len(r) for r in base_runs]):
+        raise ValueError(f"the reference times must be shaped like the runs: got {[len(r) for r in spec_ref]} "
+                         f"and {[len(r) for r in base_ref]} for runs of {[len(r) for r in spec_runs]}")
     rng = random.Random(seed)
     ratios = []
     for _ in range(draws):
-        spec_sum = base_sum = 0.0
+        spec_sum = base_sum = spec_ref_sum = base_ref_sum = 0.0
         for i in rng.choices(range(len(spec_runs)), k=len(spec_runs)):
             spec, base = spec_runs[i], base_runs[i]
             for j in rng.choices(range(len(spec)), k=len(spec)):
                 spec_sum, base_sum = spec_sum + spec[j], base_sum + base[j]
-        ratios.append(spec_sum / base_sum)
+                if normalised:
+                    spec_ref_sum, base_ref_sum = spec_ref_sum + spec_ref[i][j], base_ref_sum + base_ref[i][j]
+        ratios.append(spec_sum / base_sum * (base_ref_sum / spec_ref_sum if normalised else 1.0))
     ratios.sort()
     return ratios[int(0.025 * (draws - 1))], ratios[int(0.975 * (draws - 1))]
+
+
+def normalised_ratio(spec_runs: list[list[float]], base_runs: list[list[float]],
+                     spec_ref: list[list[float]], base_ref: list[list[float]]) -> float:
+    """(total spec time / total spec reference time) / (the same for base), pooled over every run."""
+    total = lambda runs: sum(sum(r) for r in runs)
+    return total(spec_runs) / total(spec_ref) / (total(base_runs) / total(base_ref))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,18 +201,35 @@ def main(argv: list[str] | None = None) -> int:
     headline = {"spec_setup": spec,
                 "step_ratio_spec_over_nospec": results[spec]["step"] / base["step"] if spec else None,
                 "generate_ratio_spec_over_nospec": results[spec]["generate"] / base["generate"] if spec else None}
-    per_step = {name: [{p: step_times(run, a.skip, p) for p in PHASES} for run in rs] for name, rs in runs.items()}
+    per_step = {name: [{p: step_times(run, a.skip, p) for p in (*PHASES, REFERENCE)} for run in rs]
+                for name, rs in runs.items()}
     if spec:   # the same ratios per repeat (each pair of runs side by side), and their uncertainty
-        headline["repeat_ratios"] = [{"step": r[spec]["step"] / r["no_spec"]["step"],
-                                      "generate": r[spec]["generate"] / r["no_spec"]["generate"]} for r in per_repeat]
+        series = lambda name, p: [run[p] for run in per_step[name]]
+        headline["repeat_ratios"] = [
+            {"step": sum(s["step"]) / sum(b["step"]), "generate": sum(s["generate"]) / sum(b["generate"]),
+             **{f"{p}_speed_normalised": normalised_ratio([s[p]], [b[p]], [s[REFERENCE]], [b[REFERENCE]])
+                for p in ("step", "generate")}}
+            for s, b in zip(per_step[spec], per_step["no_spec"])]
         for p in ("step", "generate"):
-            headline[f"{p}_ratio_ci95"] = list(ratio_ci95([run[p] for run in per_step[spec]],
-                                                          [run[p] for run in per_step["no_spec"]]))
+            headline[f"{p}_ratio_ci95"] = list(ratio_ci95(series(spec, p), series("no_spec", p)))
+            headline[f"{p}_ratio_speed_normalised"] = normalised_ratio(
+                series(spec, p), series("no_spec", p), series(spec, REFERENCE), series("no_spec", REFERENCE))
+            headline[f"{p}_ratio_speed_normalised_ci95"] = list(ratio_ci95(
+                series(spec, p), series("no_spec", p), spec_ref=series(spec, REFERENCE),
+                base_ref=series("no_spec", REFERENCE)))
         print(f"{spec} over no_spec: step {headline['step_ratio_spec_over_nospec']:.3f} "
               f"(95% CI {headline['step_ratio_ci95'][0]:.3f}-{headline['step_ratio_ci95'][1]:.3f}), "
               f"generate {headline['generate_ratio_spec_over_nospec']:.3f} "
-              f"(95% CI {headline['generate_ratio_ci95'][0]:.3f}-{headline['generate_ratio_ci95'][1]:.3f})"
-              + (f"; per repeat {headline['repeat_ratios']}" if a.repeats > 1 else ""))
+              f"(95% CI {headline['generate_ratio_ci95'][0]:.3f}-{headline['generate_ratio_ci95'][1]:.3f})")
+        print(f"  per second of {REFERENCE} (the run's speed divided out): step "
+              f"{headline['step_ratio_speed_normalised']:.3f} (95% CI "
+              f"{headline['step_ratio_speed_normalised_ci95'][0]:.3f}-{headline['step_ratio_speed_normalised_ci95'][1]:.3f}), "
+              f"generate {headline['generate_ratio_speed_normalised']:.3f} (95% CI "
+              f"{headline['generate_ratio_speed_normalised_ci95'][0]:.3f}-"
+              f"{headline['generate_ratio_speed_normalised_ci95'][1]:.3f})")
+        if a.repeats > 1:
+            print("  per repeat: " + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r.items())
+                                              for r in headline["repeat_ratios"]))
     if a.json:
         a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, "repeats": a.repeats, **headline,
                                       "rows": rows, "per_step": per_step}, indent=2))

@@ -56,3 +56,33 @@ def test_the_ratio_interval_rejects_unpaired_runs():
         step_time.ratio_ci95([[1.0]], [[1.0], [1.0]])
     with pytest.raises(ValueError, match="same number"):
         step_time.ratio_ci95([[1.0, 2.0]], [[1.0]])
+
+
+def test_policy_work_leaves_out_what_training_the_head_added():
+    row = {"timing/old_logprobs_s": 0.1, "timing/train_s": 0.5, "mtp/train_seconds": 0.2}
+    assert step_time.policy_work(row) == pytest.approx(0.4)
+    assert step_time.policy_work({"timing/old_logprobs_s": 0.1, "timing/train_s": 0.3}) == pytest.approx(0.4)
+    assert step_time.step_times([{"step": 1, **row}, {"step": 2, **row}], 1, step_time.REFERENCE) == [pytest.approx(0.4)]
+
+
+def test_the_normalised_ratio_divides_out_a_run_level_speed_factor():
+    # the spec set-up truly costs 1.04x; each run also ran at its own machine speed (x1.5, x0.8, ...),
+    # which slows the reference work alike: the raw ratios scatter, the normalised ones do not
+    base_true, ref_true = [1.0, 1.2, 0.9, 1.1], [0.4, 0.5, 0.4, 0.45]
+    speeds = [(1.5, 1.0), (0.8, 1.1), (1.0, 1.3), (1.2, 0.9)]   # (spec run, base run) per repeat
+    spec = [[1.04 * t * sp for t in base_true] for sp, _ in speeds]
+    base = [[t * sb for t in base_true] for _, sb in speeds]
+    spec_ref = [[r * sp for r in ref_true] for sp, _ in speeds]
+    base_ref = [[r * sb for r in ref_true] for _, sb in speeds]
+    assert step_time.normalised_ratio(spec, base, spec_ref, base_ref) == pytest.approx(1.04)
+    lo, hi = step_time.ratio_ci95(spec, base, spec_ref=spec_ref, base_ref=base_ref)
+    assert 1.02 < lo <= 1.04 <= hi < 1.06   # what is left: steps whose time and reference differ in proportion
+    raw_lo, raw_hi = step_time.ratio_ci95(spec, base)
+    assert raw_hi - raw_lo > 0.3 and raw_hi - raw_lo > 10 * (hi - lo)
+
+
+def test_the_normalised_interval_needs_both_references_shaped_like_the_runs():
+    with pytest.raises(ValueError, match="both"):
+        step_time.ratio_ci95([[1.0]], [[1.0]], spec_ref=[[1.0]])
+    with pytest.raises(ValueError, match="shaped like"):
+        step_time.ratio_ci95([[1.0, 2.0]], [[1.0, 2.0]], spec_ref=[[1.0]], base_ref=[[1.0, 1.0]])
