@@ -25,7 +25,7 @@ the JSON (`per_step`).
 A run's speed is largely set when it starts (its fresh engines and processes on a shared machine), and
 that run-to-run factor moves every phase alike. The `*_ratio_speed_normalised` figures divide it out:
 each run's time is taken per second of its `policy_work`, the policy's own forward (old_logprobs) and
-update (train less `mtp/train_seconds`, the head's share), work both set-ups do identically (the
+update (train less `train/head_seconds`, what training the MTP head added), work both set-ups do identically (the
 policy forward skips the MTP block; engines idle in both). Their intervals come from the same bootstrap.
 They cannot see a cost that speculation adds to that policy work itself (it would cancel), which the
 raw ratios still carry.
@@ -97,9 +97,10 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
 
 def policy_work(row: dict) -> float:
     """Seconds of the step spent on work every set-up does alike: the policy's forward for old logprobs
-    and its update, less what training the MTP head added to the update (`mtp/train_seconds`)."""
+    and its update, less what training the MTP head added to the update (`train/head_seconds`, summed over
+    the step's mini-batches)."""
     return (row.get("timing/old_logprobs_s", 0.0) + row.get("timing/train_s", 0.0)
-            - row.get("mtp/train_seconds", 0.0))
+            - row.get("train/head_seconds", 0.0))
 
 
 def step_times(rows: list[dict], skip: int, phase: str) -> list[float]:
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every set-up this many times, alternating their order; means over all runs")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {list(SETUPS)} (must include no_spec)")
+    ap.add_argument("--keep-runs", type=Path, default=None,
+                    help="keep every run's directory (metrics.jsonl, config) under this folder instead of a temporary one")
     ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} with overrides {QUICK_OVERRIDES}")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every set-up")
     a = ap.parse_args(argv)
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats={a.repeats} must be >= 1")
     runs: dict[str, list[list[dict]]] = {name: [] for name in setups}
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
+        tmp = a.keep_runs or tmp
         for rep in range(a.repeats):   # alternate the order (A B, B A, ...): drift of a busy machine cancels
             for name in (setups if rep % 2 == 0 else setups[::-1]):
                 runs[name].append(run_setup(name, SETUPS[name], a.steps, Path(tmp) / f"rep{rep}", a.overrides))

@@ -249,8 +249,9 @@ class RLTrainer:
                                                     **head))
                 self._stop_if_not_finite(parts[-1], f"mini-batch {i + 1} of {len(batches)}", metrics, timer)
         metrics.update(mean_metrics(parts))
-        if head.get("train_head"):
+        if any("mtp/train_seconds" in p for p in parts):   # the step's whole head training, every mini-batch
             metrics["train/head_seconds"] = sum(p.get("mtp/train_seconds", 0.0) for p in parts)
+        if head.get("train_head"):
             self.head_credit.trained(metrics["train/head_seconds"])
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))

@@ -59,7 +59,8 @@ def test_the_ratio_interval_rejects_unpaired_runs():
 
 
 def test_policy_work_leaves_out_what_training_the_head_added():
-    row = {"timing/old_logprobs_s": 0.1, "timing/train_s": 0.5, "mtp/train_seconds": 0.2}
+    row = {"timing/old_logprobs_s": 0.1, "timing/train_s": 0.5, "train/head_seconds": 0.2,
+           "mtp/train_seconds": 0.05}   # the per-mini-batch mean: not what the step's head training cost
     assert step_time.policy_work(row) == pytest.approx(0.4)
     assert step_time.policy_work({"timing/old_logprobs_s": 0.1, "timing/train_s": 0.3}) == pytest.approx(0.4)
     assert step_time.step_times([{"step": 1, **row}, {"step": 2, **row}], 1, step_time.REFERENCE) == [pytest.approx(0.4)]

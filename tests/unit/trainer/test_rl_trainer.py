@@ -279,3 +279,11 @@ def test_fixed_k_trains_and_pushes_the_head_every_step(tmp_path):
     for _ in range(3):
         t.train_step()
     assert t.policy.head_args == [{}] * 3 and t.engines.head_changed == [True] * 3
+
+
+def test_the_step_logs_what_training_the_head_took_over_all_its_mini_batches(tmp_path):
+    # fixed k: the head trains on every update; the per-update mean (mtp/train_seconds) is not the step's cost
+    t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=2")
+    row = t.train_step()
+    assert row["train/num_updates"] == 2.0
+    assert row["mtp/train_seconds"] == pytest.approx(0.1) and row["train/head_seconds"] == pytest.approx(0.2)
