@@ -37,7 +37,9 @@ EXPECTED = {
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
     "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec",
-                      "step_ratio_ci95", "generate_ratio_ci95", "per_step"}, {"setup", "generate_s", "reward_s", "train_s", "sync_s", "step_s",
+                      "step_ratio_ci95", "generate_ratio_ci95", "per_step", "step_ratio_speed_normalised",
+                      "generate_ratio_speed_normalised", "step_ratio_speed_normalised_ci95",
+                      "generate_ratio_speed_normalised_ci95"}, {"setup", "generate_s", "reward_s", "train_s", "sync_s", "step_s",
                                          "acceptance", "tokens_per_s", "step_ratio_vs_no_spec", "k_mean", "head_depths"}),
 }
 
@@ -82,6 +84,10 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
     if script == "step_time.py":   # auto k: the trainer chose the head's depths from the engines' k each step
         auto = next(r for r in result["rows"] if r["setup"] == "spec_auto")
         assert 1 <= auto["head_depths"] <= 3 and 0 <= auto["k_mean"] <= 3 and 0 <= auto["head_trained_share"] <= 1, auto
+        ref = [t for run in result["per_step"]["no_spec"] for t in run["policy_work"]]   # the speed meter: measured
+        lo, hi = result["step_ratio_speed_normalised_ci95"]
+        ratio = result["step_ratio_speed_normalised"]   # (the interval's sums run in another order: 1e-9 slack)
+        assert ref and all(t > 0 for t in ref) and 0 < lo - 1e-9 <= ratio <= hi + 1e-9, result
     if script == "rollout_spec.py":   # every engine its own counters: no-spec drafts nothing, the oracle's drafts all land
         for row in result["rows"]:
             assert row["identical_to_no_spec"], row
