@@ -185,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
             for name in (setups if rep % 2 == 0 else setups[::-1]):
                 runs[name].append(run_setup(name, SETUPS[name], a.steps, Path(tmp) / f"rep{rep}", a.overrides))
     results = {name: summarize([row for run in rs for row in run], a.skip) for name, rs in runs.items()}
-    per_repeat = [{name: summarize(rs[rep], a.skip) for name, rs in runs.items()} for rep in range(a.repeats)]
     base = results["no_spec"]
     header = f"{'setup':<20}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
     print(header)
