@@ -2,8 +2,8 @@
 
 - spec_auto:      the product with trainer.mtp.num_speculative_tokens=auto: k per engine step chosen from
                   the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py);
-                  the head trains the depths the engines drafted, on every step while they draft and on
-                  every trainer.mtp.idle_head_train_every-th step while they do not (head_depths,
+                  the head trains the depths the engines drafted, as often as their drafts' savings
+                  plus trainer.mtp.idle_head_train_budget of the step time pay for (head_depths,
                   head_trained_share),
 - spec_mtp_train: MTP speculative decoding with the draft head trained, fixed k (the recipe's),
 - spec_vllm_coupling: the same with vLLM's own rejection-sampling coupling instead of the

@@ -178,7 +178,8 @@ class LoopConfig:
     # trainer.mtp.train_depths=null under num_speculative_tokens=auto: each step's head training covers the
     # depths the engines drafted (mtp/draft_depths.py), at most `head_max_depths`; otherwise None
     head_max_depths: int | None = None
-    idle_head_train_every: int = 1   # with head_max_depths: the head trains at least on every N-th step
+    # with head_max_depths: the share of each step's time allowed for keeping an idle head aligned
+    idle_head_train_budget: float = 1.0
     num_engines: int = 1             # engines run side by side (their drafting savings are averaged)
 
 
@@ -209,7 +210,7 @@ def loop_config(cfg: DictConfig) -> LoopConfig:
         dp=int(cfg.megatron.dp), checkpoint_every_n_steps=int(t.checkpoint.every_n_steps),
         keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
         run_dir=str(t.run_dir), head_max_depths=head_max_depths,
-        idle_head_train_every=int(t.mtp.idle_head_train_every) if head_max_depths is not None else 1,
+        idle_head_train_budget=float(t.mtp.idle_head_train_budget) if head_max_depths is not None else 1.0,
         num_engines=int(cfg.generator.num_engines))
 
 

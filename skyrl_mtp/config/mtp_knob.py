@@ -45,10 +45,11 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
     if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0.0 < decay <= 1.0):
         out.append(problem("trainer.mtp.loss_depth_decay", decay,
                            "must be in (0, 1] (draft depth d's loss weighs loss_depth_decay ** (d - 1))"))
-    every = knob.idle_head_train_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        out.append(problem("trainer.mtp.idle_head_train_every", every,
-                           "must be an int >= 1 (the head trains at least on every N-th step)"))
+    budget = knob.idle_head_train_budget
+    if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and 0.0 < budget <= 1.0):
+        out.append(problem("trainer.mtp.idle_head_train_budget", budget,
+                           "must be in (0, 1] (the share of each step's time spent keeping an idle head aligned; "
+                           "0 would leave a head that stopped paying untrained for good)"))
     if knob.train_depths is not None and knob.train_depths < 1:
         out.append(problem("trainer.mtp.train_depths", knob.train_depths,
                            "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)"))

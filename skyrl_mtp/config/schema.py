@@ -58,12 +58,11 @@ class MTPConfig:
     # num_speculative_tokens=auto, each step trains the depths the engines drafted in >= 10% of the
     # rollout's engine steps plus one more (at most max_speculative_tokens; mtp/draft_depths.py).
     train_depths: int | None = None
-    # num_speculative_tokens=auto with train_depths=null: the head trains on a step when the engine time its
-    # drafts saved since it last trained covers what its training took (mtp/draft_depths.py), and in any
-    # case on RL steps that are a multiple of this (1: every step): while drafting saves nothing it stays
-    # aligned with the policy at a fraction of the cost (the trade-off of 4 vs 8, measured: README,
-    # trainer.mtp.idle_head_train_every).
-    idle_head_train_every: int = 8
+    # num_speculative_tokens=auto with train_depths=null: the head trains on a step when its credit covers
+    # what its last training took: the engine time its drafts saved since, plus this share of each step's
+    # time (its head training aside) for keeping it aligned with the policy while drafting saves nothing
+    # (mtp/draft_depths.py). So an idle head costs at most this share of the run, on any model.
+    idle_head_train_budget: float = 0.01
 
 
 @dataclass

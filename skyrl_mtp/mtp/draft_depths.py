@@ -10,9 +10,12 @@ measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null 
 
 Training the head is only worth what its drafts save. Where they save little (a small model whose head
 costs as much as a trunk layer, drafting only in a rollout's short tail) training it on every step would
-cost more than drafting saves, so the head trains when the engine time its drafts saved since it last
-trained (HeadTrainingCredit, from the engines' policies) covers what its training took, and in any case on
-every `trainer.mtp.idle_head_train_every`-th step: kept aligned with the policy for when drafting pays again.
+cost more than drafting saves, so the head trains when its credit covers what its last training took
+(HeadTrainingCredit): the engine time its drafts saved since it last trained (from the engines' policies),
+plus an allowance of `trainer.mtp.idle_head_train_budget` of each step's time for keeping it aligned with
+the policy for when drafting pays again. The allowance bounds what keeping an idle head aligned costs, as
+a share of the run, on any model: a head that costs a sliver of a large model's step trains on most steps,
+one that costs a third of a tiny model's update trains every dozen or so.
 
 The shares the trainer passes are those of the k each engine's policy chose, not of the k it ran: its
 probes, challenges and timing cycles run other ks on a small, steady share of the steps, and counted as
@@ -42,32 +45,40 @@ def depths_to_train(k_shares: list[float], max_depths: int, min_share: float = M
 
 @dataclass
 class HeadTrainingCredit:
-    """Whether the head trains on a step, from what drafting saved and what training the head costs.
+    """Whether the head trains on a step, from what drafting saved, an allowance for keeping it aligned, and
+    what training the head costs.
 
-    `add(saved)` each step with the engine seconds the engines' verified drafts saved in its rollouts (a
-    negative figure counts as 0: exploration's cost is not the head's to repay); `due(step)`; `trained(s)`
-    after a step that trained the head, with the seconds its training took. The credit is capped at two
-    trainings' worth, so a long stretch where drafting paid does not keep training a head whose drafts
-    stopped paying."""
+    Each step: `add(saved)` with the engine seconds the engines' verified drafts saved in its rollouts (a
+    negative figure counts as 0: exploration's cost is not the head's to repay), `due()`, `trained(s)` after a
+    step that trained the head with the seconds its training took, and `allow(step_seconds)` with the step's
+    time less that training, which adds `budget` x it. The credit is capped at two trainings' worth, so a long
+    stretch where drafting paid does not keep training a head whose drafts stopped paying."""
 
-    every: int
+    budget: float
     credit: float = 0.0
     head_seconds: float | None = None   # the head's training time on the last step that trained it
 
     def __post_init__(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"every={self.every!r} is invalid: an int >= 1 (trainer.mtp.idle_head_train_every)")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 < b <= 1.0:
+            raise ValueError(f"budget={b!r} is invalid: a share of the step's time in (0, 1] "
+                             "(trainer.mtp.idle_head_train_budget)")
 
     def add(self, saved_seconds: float) -> None:
-        self.credit += max(float(saved_seconds), 0.0)
+        self._bank(max(float(saved_seconds), 0.0))
+
+    def allow(self, step_seconds: float) -> None:
+        """The allowance for keeping the head aligned: `budget` of a step's time (its head training aside)."""
+        self._bank(self.budget * max(float(step_seconds), 0.0))
+
+    def _bank(self, seconds: float) -> None:
+        self.credit += seconds
         if self.head_seconds is not None:
             self.credit = min(self.credit, 2.0 * self.head_seconds)
 
-    def due(self, step: int) -> bool:
-        """Train on the step after `step` steps done: every `every`-th step, and in between once the credit
-        covers the head's last training time (any credit while that time is unknown)."""
-        if (step + 1) % self.every == 0:
-            return True
+    def due(self) -> bool:
+        """Train on the next step: once the credit covers the head's last training time (any credit while that
+        time is unknown)."""
         if self.head_seconds is None:
             return self.credit > 0.0
         return self.credit >= self.head_seconds

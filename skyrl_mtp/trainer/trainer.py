@@ -9,6 +9,7 @@ so that this file reads as the loop of DESIGN.md and nothing else.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,8 @@ def combine_round_metrics(parts: list[dict[str, float]], summed: tuple[str, ...]
 
 
 class RLTrainer:
+    clock: Callable[[], float] = staticmethod(time.perf_counter)   # times the step's phases
+
     def __init__(self, cfg: Any, *, engines: Any, policy: Any, env: Environment, tokenizer: Any,
                  train_examples: list[PromptExample], val_examples: list[PromptExample], run_dir: RunDir,
                  tracker: Any, log: Callable[[str], None] = print, weight_sync: Any = None):
@@ -71,8 +74,9 @@ class RLTrainer:
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.step = 0
         self.loss_kwargs = dict(loop.loss_kwargs)
-        # auto k: whether the head trains on a step (what its drafts saved vs what its training costs)
-        self.head_credit = HeadTrainingCredit(loop.idle_head_train_every)
+        # auto k: whether the head trains on a step (what its drafts saved and an allowance for keeping it
+        # aligned, vs what its training costs)
+        self.head_credit = HeadTrainingCredit(loop.idle_head_train_budget)
 
     # ------------------------------------------------------------------ lifecycle
     def resume_if_possible(self) -> int:
@@ -210,7 +214,7 @@ class RLTrainer:
         return batches
 
     def train_step(self) -> dict[str, float]:
-        timer = StepTimer()
+        timer = StepTimer(self.clock)
         with timer.phase("generate"):
             groups, metrics = self._generate(timer)
         if self.weight_sync is not None and self.weight_sync.colocate:
@@ -239,7 +243,7 @@ class RLTrainer:
             # engines run side by side: the rollout's wall time shrank by about one engine's saving
             self.head_credit.add(metrics.get("rollout/train/speculation_seconds_saved", 0.0) / self.loop.num_engines)
             metrics["train/head_credit_s"] = self.head_credit.credit
-            head["train_head"] = self.head_credit.due(self.step)
+            head["train_head"] = self.head_credit.due()
             metrics["train/head_depths"] = float(head["head_depths"])
             metrics["train/head_trained"] = float(head["train_head"])
         with timer.phase("train"):
@@ -257,6 +261,8 @@ class RLTrainer:
         metrics["train/num_updates"] = float(len(batches))
         with timer.phase("sync"):
             metrics.update(self.sync_weights(head_changed=head.get("train_head", True)))
+        if "train_head" in head:   # the allowance for an idle head: a share of the step, its own training aside
+            self.head_credit.allow(sum(timer.totals.values()) - metrics.get("train/head_seconds", 0.0))
         self.step += 1
         loop = self.loop
         if loop.eval_every_n_steps and (self.step % loop.eval_every_n_steps == 0 or self.step == loop.total_steps):

@@ -31,41 +31,42 @@ def test_a_maximum_below_one_is_refused():
 def test_the_head_trains_when_its_drafts_saved_what_its_training_costs():
     from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit
 
-    c = HeadTrainingCredit(every=8)
-    assert not c.due(0)                      # nothing saved yet, cost unknown
+    c = HeadTrainingCredit(budget=0.01)
+    assert not c.due()                       # nothing saved yet, cost unknown
     c.add(-0.3)                              # exploration's cost is not the head's to repay
-    assert c.credit == 0.0 and not c.due(1)
+    assert c.credit == 0.0 and not c.due()
     c.add(0.01)
-    assert c.due(2)                          # any saving while the head's cost is unknown
+    assert c.due()                           # any saving while the head's cost is unknown
     c.trained(0.2)                           # measured: training takes 0.2 s
     assert c.head_seconds == 0.2 and c.credit == 0.0
     due = []
-    for step in range(3, 15):
+    for _ in range(8):
         c.add(0.05)                          # drafting saves 0.05 s a step: a training every 4 steps
-        due.append(c.due(step))
+        due.append(c.due())
         if due[-1]:
             c.trained(0.2)
-    assert due == [False, False, False, True,     # steps 3-6: credit 0.05 .. 0.2
-                   True,                          # step 7: the every-8th floor (credit 0.05, spent)
-                   False, False, False, True,     # steps 8-11: 0.05 .. 0.2 again
-                   False, False, False], due
+    assert due == [False, False, False, True] * 2, due
     c.add(10.0)                              # a long stretch where drafting paid banks two trainings at most
     assert c.credit == 0.4
 
 
-def test_the_head_trains_on_every_nth_step_when_drafting_saves_nothing():
+def test_the_allowance_trains_an_idle_head_on_a_budgeted_share_of_the_time():
     from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit
 
-    c = HeadTrainingCredit(every=3)
+    c = HeadTrainingCredit(budget=0.25)
     trained = []
-    for step in range(9):
-        c.add(0.0)
-        trained.append(c.due(step))
+    for _ in range(9):
+        c.add(0.0)                           # drafting saves nothing
+        trained.append(c.due())
         if trained[-1]:
-            c.trained(0.1)
-    assert trained == [False, False, True] * 3
-    with pytest.raises(ValueError, match="idle_head_train_every"):
-        HeadTrainingCredit(every=0)
+            c.trained(1.0)                   # the head's training takes as long as a step
+        c.allow(2.0)                         # steps of 2 s (the head's training aside): 0.5 s each
+    assert trained == [False, True, False, True, False, True, False, True, False], trained
+    c.allow(100.0)
+    assert c.credit == 2.0                   # capped at two trainings' worth
+    for bad in (0, 0.0, -0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="idle_head_train_budget"):
+            HeadTrainingCredit(budget=bad)
     with pytest.raises(ValueError, match="seconds=-1"):
         c.trained(-1)
 
@@ -73,17 +74,17 @@ def test_the_head_trains_on_every_nth_step_when_drafting_saves_nothing():
 def test_the_credit_round_trips_through_a_checkpoint_and_rejects_bad_state():
     from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit
 
-    c = HeadTrainingCredit(every=8)
+    c = HeadTrainingCredit(budget=0.01)
     c.add(0.05)
     c.trained(0.2)
     c.add(0.15)
-    restored = HeadTrainingCredit(every=8)
+    restored = HeadTrainingCredit(budget=0.01)
     restored.load_state_dict(c.state_dict())
     assert (restored.credit, restored.head_seconds) == (c.credit, c.head_seconds) == (0.15, 0.2)
-    assert not restored.due(3) and (restored.add(0.05), restored.due(4)) == (None, True)
-    fresh = HeadTrainingCredit(every=8)
+    assert not restored.due() and (restored.add(0.05), restored.due()) == (None, True)
+    fresh = HeadTrainingCredit(budget=0.01)
     fresh.load_state_dict({"credit": 0.0, "head_seconds": None})
-    assert fresh.head_seconds is None and not fresh.due(0)
+    assert fresh.head_seconds is None and not fresh.due()
     for bad in ({"credit": -1.0, "head_seconds": 0.1}, {"credit": 0.1, "head_seconds": "x"}, {}):
         with pytest.raises(ValueError, match="head-training credit state"):
-            HeadTrainingCredit(every=8).load_state_dict(bad)
+            HeadTrainingCredit(budget=0.01).load_state_dict(bad)

@@ -604,20 +604,21 @@ def test_engine_core_skips_the_draft_fetch_after_a_step_that_drafted_nothing():
     assert fetched == ["drafts", "vllm"]
 
 
-def test_idle_head_cadence_reaches_the_loop_only_when_the_depths_follow_the_engines():
+def test_idle_head_budget_reaches_the_loop_only_when_the_depths_follow_the_engines():
     from skyrl_mtp.config.build import loop_config
     from skyrl_mtp.config.errors import ConfigError
     from skyrl_mtp.config.loader import load_config
 
     auto = loop_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto"]))
-    assert auto.head_max_depths == 3 and auto.idle_head_train_every == 8
+    assert auto.head_max_depths == 3 and auto.idle_head_train_budget == 0.01
     fixed_depths = loop_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto",
                                             "trainer.mtp.train_depths=2"]))
-    assert fixed_depths.head_max_depths is None and fixed_depths.idle_head_train_every == 1
+    assert fixed_depths.head_max_depths is None and fixed_depths.idle_head_train_budget == 1.0
     fixed_k = loop_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=2"]))
-    assert fixed_k.head_max_depths is None and fixed_k.idle_head_train_every == 1
-    with pytest.raises(ConfigError, match=r"trainer\.mtp\.idle_head_train_every=0"):
-        load_config(["recipe=tiny_dapo", "trainer.mtp.idle_head_train_every=0"])
+    assert fixed_k.head_max_depths is None and fixed_k.idle_head_train_budget == 1.0
+    for bad in ("0", "1.5", "-0.01"):
+        with pytest.raises(ConfigError, match=rf"trainer\.mtp\.idle_head_train_budget={bad}.*in \(0, 1\]"):
+            load_config(["recipe=tiny_dapo", f"trainer.mtp.idle_head_train_budget={bad}"])
 
 
 def test_a_verified_step_is_credited_what_its_accepted_drafts_saved_at_the_fitted_costs():

@@ -235,42 +235,79 @@ def test_resume_never_starts_fresh(tmp_path):
     assert r.resume_if_possible() == 0 and r.step == 0 and r.policy.loaded == []
 
 
+def _clocked(t, generate_seconds=1.0, head_seconds=0.5):
+    """The trainer's step timer on a fake clock: a rollout takes `generate_seconds`, training the head
+    `head_seconds` per update, the rest no time, so the idle head's allowance is exact."""
+    now = [0.0]
+    t.clock = lambda: now[0]
+    t.policy.head_seconds = head_seconds
+    generate, train_step = t.env.generate, t.policy.train_step
+
+    def timed_generate(*a, **k):
+        now[0] += generate_seconds
+        return generate(*a, **k)
+
+    def timed_train_step(*a, **k):
+        row = train_step(*a, **k)
+        now[0] += row.get("mtp/train_seconds", 0.0)
+        return row
+
+    t.env.generate, t.policy.train_step = timed_generate, timed_train_step
+    return t
+
+
 @pytest.mark.parametrize("shares,saved,trained,depths", [
-    # drafting saves nothing: every 3rd step, depth 1
-    ((0.95, 0.05, 0.0, 0.0), 0.0, [False, False, True, False, False, True], 1),
-    # drafting k=2 saves more than the head's training takes (0.1 s): every step, one depth deeper
-    ((0.5, 0.0, 0.5, 0.0), 0.15, [True] * 6, 3),
-    # it saves 0.05 s a step: the first saving trains it (its cost is unknown), then the every-3rd floor and
-    # step 4, where two steps' savings cover the 0.1 s its training took
-    ((0.5, 0.0, 0.5, 0.0), 0.05, [True, False, True, False, True, True], 3),
+    # drafting saves nothing: the allowance (1/8 of each 1 s step) first banks something at step 1, so step 2
+    # trains (its cost unknown); then the 0.5 s the head took needs 4 steps' allowance: step 6; depth 1
+    ((0.95, 0.05, 0.0, 0.0), 0.0, [False, True, False, False, False, True], 1),
+    # drafting k=2 saves more than the head's training takes (0.5 s): every step, one depth deeper
+    ((0.5, 0.0, 0.5, 0.0), 0.75, [True] * 6, 3),
+    # it saves 0.25 s a step: the first saving trains it (its cost unknown), then whenever savings and the
+    # allowance (0.125 s a step) since cover 0.5 s
+    ((0.5, 0.0, 0.5, 0.0), 0.25, [True, False, True, True, True, False], 3),
 ])
 def test_auto_k_trains_the_head_on_the_depths_and_steps_the_engines_need(tmp_path, shares, saved, trained, depths):
-    t = _trainer(tmp_path, "trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.idle_head_train_every=3",
-                 "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null")
+    t = _clocked(_trainer(tmp_path, "trainer.mtp.num_speculative_tokens=auto",
+                          "trainer.mtp.idle_head_train_budget=0.125", "trainer.train_batch_size=4",
+                          "trainer.policy_mini_batch_size=null"))
     t.engines.metrics = FakeWindow(shares, saved)
     rows = [t.train_step() for _ in range(6)]
     assert [a["train_head"] for a in t.policy.head_args] == trained
     assert {a["head_depths"] for a in t.policy.head_args} == {depths}
     assert [r["train/head_trained"] for r in rows] == [float(x) for x in trained]
-    assert [r.get("train/head_seconds") for r in rows] == [0.1 if x else None for x in trained]
+    assert [r.get("train/head_seconds") for r in rows] == [0.5 if x else None for x in trained]
     assert t.engines.head_changed == trained     # a step that left the head as it was does not push it
 
 
+def test_an_idle_head_costs_the_budgeted_share_of_the_run(tmp_path):
+    # drafting saves nothing; steps take 1 s, plus the head's 0.25 s when it trains: at a budget of 1/16 it
+    # trains on every 4th step after the first, 1/16 of the time spent on everything else
+    t = _clocked(_trainer(tmp_path, "trainer.mtp.num_speculative_tokens=auto",
+                          "trainer.mtp.idle_head_train_budget=0.0625", "trainer.train_batch_size=4",
+                          "trainer.policy_mini_batch_size=null"), head_seconds=0.25)
+    t.engines.metrics = FakeWindow((1.0, 0.0, 0.0, 0.0), 0.0)
+    rows = [t.train_step() for _ in range(22)]
+    steps = [i + 1 for i, r in enumerate(rows) if r["train/head_trained"]]
+    assert steps == [2, 6, 10, 14, 18, 22], steps
+    head = sum(r.get("train/head_seconds", 0.0) for r in rows[2:])   # steps 3-22: five whole cycles
+    assert head / (sum(r["timing/step_s"] for r in rows[2:]) - head) == pytest.approx(0.0625)
+
+
 def test_a_resumed_run_trains_the_head_on_the_steps_an_unbroken_one_does(tmp_path):
-    args = ("trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.idle_head_train_every=3",
+    args = ("trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.idle_head_train_budget=0.125",
             "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null", "trainer.checkpoint.every_n_steps=3")
-    t = _trainer(tmp_path, *args, "trainer.total_steps=3")
-    t.engines.metrics = FakeWindow((0.5, 0.0, 0.5, 0.0), 0.05)
+    t = _clocked(_trainer(tmp_path, *args, "trainer.total_steps=3"))
+    t.engines.metrics = FakeWindow((0.5, 0.0, 0.5, 0.0), 0.25)
     t.fit()
     state = json.loads((t.run_dir.latest() / "trainer_state.json").read_text())
-    assert state["head_credit"] == {"credit": 0.0, "head_seconds": pytest.approx(0.1)}
-    r = _trainer(tmp_path, *args, "trainer.total_steps=6")
-    r.engines.metrics = FakeWindow((0.5, 0.0, 0.5, 0.0), 0.05)
+    assert state["head_credit"] == {"credit": pytest.approx(0.375), "head_seconds": pytest.approx(0.5)}
+    r = _clocked(_trainer(tmp_path, *args, "trainer.total_steps=6"))
+    r.engines.metrics = FakeWindow((0.5, 0.0, 0.5, 0.0), 0.25)
     assert r.resume_if_possible() == 3
     r.fit()
-    # as in the unbroken run above (saved 0.05 s a step): step 4's one saving does not cover the 0.1 s the head
-    # took, where a fresh credit (its cost unknown) would train it on any saving
-    assert [a["train_head"] for a in t.policy.head_args + r.policy.head_args] == [True, False, True, False, True, True]
+    # as in the unbroken run above: a fresh credit (its cost unknown) would train on step 4's saving, spend it
+    # all, and skip step 5
+    assert [a["train_head"] for a in t.policy.head_args + r.policy.head_args] == [True, False, True, True, True, False]
 
 
 def test_fixed_k_trains_and_pushes_the_head_every_step(tmp_path):
