@@ -148,7 +148,8 @@ def ratio_ci95(spec_runs: list[list[float]], base_runs: list[list[float]], draws
 def normalised_ratio(spec_runs: list[list[float]], base_runs: list[list[float]],
                      spec_ref: list[list[float]], base_ref: list[list[float]]) -> float:
     """(total spec time / total spec reference time) / (the same for base), pooled over every run."""
-    total = lambda runs: sum(sum(r) for r in runs)
+    def total(runs: list[list[float]]) -> float:
+        return sum(sum(r) for r in runs)
     return total(spec_runs) / total(spec_ref) / (total(base_runs) / total(base_ref))
 
 
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     per_step = {name: [{p: step_times(run, a.skip, p) for p in (*PHASES, REFERENCE)} for run in rs]
                 for name, rs in runs.items()}
     if spec:   # the same ratios per repeat (each pair of runs side by side), and their uncertainty
-        series = lambda name, p: [run[p] for run in per_step[name]]
+        def series(name: str, p: str) -> list:
+            return [run[p] for run in per_step[name]]
         headline["repeat_ratios"] = [
             {"step": sum(s["step"]) / sum(b["step"]), "generate": sum(s["generate"]) / sum(b["generate"]),
              **{f"{p}_speed_normalised": normalised_ratio([s[p]], [b[p]], [s[REFERENCE]], [b[REFERENCE]])

@@ -49,7 +49,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +215,23 @@ class OnlineLinearFit:
         ds = np.asarray([di for di, s in zip(d, sol.seen) if s])
         return math.sqrt(max(float(ds @ sol.inverse @ ds), 0.0) * sol.variance)
 
+    def predict_table(self, xs: list[list[float]]) -> tuple[list[float], list[list[float]]]:
+        """predict(x) for each row of `xs`, and difference_sd(xs[i], xs[j]) for every pair, in one pass (the
+        policy needs all of them for each batch size it meets)."""
+        sol = self._solution()
+        x = np.asarray(xs, dtype=np.float64)
+        preds = (x @ np.asarray(sol.weights)).tolist()
+        d = x[:, None, :] - x[None, :, :]
+        moved = (d != 0).any(axis=-1)
+        if math.isinf(sol.variance):
+            return preds, np.where(moved, math.inf, 0.0).tolist()
+        seen = np.asarray(sol.seen)
+        ds = d[..., seen]
+        q = np.einsum("ijs,st,ijt->ij", ds, sol.inverse, ds) if ds.shape[-1] else np.zeros(moved.shape)
+        sd = np.sqrt(np.maximum(q, 0.0) * sol.variance)
+        unexplored = (d[..., ~seen] != 0).any(axis=-1)
+        return preds, np.where(unexplored, math.inf, np.where(moved, sd, 0.0)).tolist()
+
 
 @dataclass
 class _Solution:
@@ -248,7 +265,7 @@ class CostModel:
     buckets: dict[int, OnlineLinearFit] = field(default_factory=dict)
     seen_k: dict[int, set[int]] = field(default_factory=dict)
     stall_ratio: float = 1.5
-    _tables: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    _tables: dict[tuple, _CostTable] = field(default_factory=dict, repr=False)
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
         """A steady step: it verified drafts proposed at the same k it now drafts (the previous step's k
@@ -279,28 +296,36 @@ class CostModel:
         fit = self._fit(batch)
         return fit, fit.solves()
 
-    def _memo(self, batch: int, what: tuple, compute: Callable[[OnlineLinearFit], Any]) -> Any:
-        """The fit's answers change only when it is solved again; the policy asks every step (with the
-        acceptance moving each drafting step), and each answer costs small numpy solves."""
+    def table(self, batch: int) -> _CostTable:
+        """Every prediction the policy reads for this batch size, computed together once per solve of the
+        fit: the policy asks every step (with the acceptance moving each drafting step), and a rollout's
+        draining tail meets a new batch size every few steps."""
         fit = self._fit(batch)
         key = (id(fit), fit.solves(), batch)
         table = self._tables.get(key)
         if table is None:
             if len(self._tables) > 64:
                 self._tables.clear()
-            table = self._tables[key] = {}
-        if what not in table:
-            table[what] = compute(fit)
-        return table[what]
+            table = self._tables[key] = self._compute_table(fit, batch)
+        return table
+
+    def _compute_table(self, fit: OnlineLinearFit, batch: int) -> _CostTable:
+        ks = range(self.k_max + 1)
+        # the last row, all zeros, makes difference_sd against it predict_sd
+        preds, sds = fit.predict_table([step_features(batch * (1 + k), batch, k) for k in ks] + [[0.0] * fit.dim])
+        seconds = [max(preds[k], 1e-6) for k in ks]
+        step_sd = [sds[k][-1] for k in ks]
+        weights = ([1.0] * len(seconds) if any(math.isinf(v) or v <= 0 for v in step_sd)
+                   else [1.0 / (v * v) for v in step_sd])
+        return _CostTable(seconds, step_sd, isotonic(seconds, weights), [row[:-1] for row in sds[:-1]])
 
     def step_seconds(self, batch: int, k: int) -> float:
         """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
-        return self._memo(batch, ("s", k),
-                          lambda fit: max(fit.predict(step_features(batch * (1 + k), batch, k)), 1e-6))
+        return self.table(batch).seconds[k]
 
     def step_sd(self, batch: int, k: int) -> float:
         """Standard error of step_seconds(batch, k)."""
-        return self._memo(batch, ("sd", k), lambda fit: fit.predict_sd(step_features(batch * (1 + k), batch, k)))
+        return self.table(batch).sd[k]
 
     def monotone_step_seconds(self, batch: int) -> list[float]:
         """step_seconds for k = 0..k_max made non-decreasing in k (a step with more drafts does strictly
@@ -308,18 +333,11 @@ class CostModel:
         predictions involved are pooled, each weighted by how sure the fit is of it (1 / its variance). So
         a k timed rarely and slowly once (k = 0 while the engine drafts) does not make every deeper step
         look as dear as it, and free to draft; nor does a fast outlier make drafting look free."""
-        def compute(_fit: OnlineLinearFit) -> list[float]:
-            values = [self.step_seconds(batch, k) for k in range(self.k_max + 1)]
-            sds = [self.step_sd(batch, k) for k in range(self.k_max + 1)]
-            weights = ([1.0] * len(values) if any(math.isinf(v) or v <= 0 for v in sds)
-                       else [1.0 / (v * v) for v in sds])
-            return isotonic(values, weights)
-        return list(self._memo(batch, ("mono",), compute))
+        return list(self.table(batch).monotone)
 
     def difference_sd(self, batch: int, k: int, j: int) -> float:
         """Standard error of step_seconds(batch, k) - step_seconds(batch, j), from the same fit."""
-        return self._memo(batch, ("d", k, j), lambda fit: fit.difference_sd(
-            step_features(batch * (1 + k), batch, k), step_features(batch * (1 + j), batch, j)))
+        return self.table(batch).difference_sd[k][j]
 
     def draft_seconds_floor(self, batch: int, k: int) -> float:
         """What k drafts per request add to a step at least, known from timings: their extra time over k = 0
@@ -330,6 +348,16 @@ class CostModel:
             return 0.0
         ref = 1 << (below[-1] - 1)
         return max(self.step_seconds(ref, k) - self.step_seconds(ref, 0), 0.0)
+
+
+@dataclass(frozen=True)
+class _CostTable:
+    """A CostModel's predictions at one batch size, per k (CostModel.table)."""
+
+    seconds: list[float]               # step_seconds
+    sd: list[float]                    # step_sd
+    monotone: list[float]              # monotone_step_seconds
+    difference_sd: list[list[float]]   # [k][j]: difference_sd(batch, k, j)
 
 
 def isotonic(values: list[float], weights: list[float]) -> list[float]:
@@ -358,14 +386,16 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
     A fit resting on a few timed steps, one of them slow, or one that extrapolates to a batch it has not
     timed, is not enough evidence to switch. As timings of both settings accumulate the margin shrinks, so a
     real gain is still taken."""
-    costs = cost.monotone_step_seconds(batch)
-    rates = [expected_tokens(alphas, k) / costs[k] for k in range(k_max + 1)]
+    table = cost.table(batch)
+    costs, doubts = table.monotone, table.difference_sd
+    tokens = [expected_tokens(alphas, k) for k in range(k_max + 1)]
+    rates = [tokens[k] / costs[k] for k in range(k_max + 1)]
     judged = []
     for k in range(k_max + 1):
-        doubt = cost.difference_sd(batch, k, incumbent) if k != incumbent else 0.0
+        doubt = doubts[k][incumbent] if k != incumbent else 0.0
         # a shallower k does less work than the incumbent: it never costs more, however unsure the fit
         dear = costs[k] + doubt if k > incumbent else min(costs[k] + doubt, costs[incumbent])
-        judged.append(expected_tokens(alphas, k) / dear)
+        judged.append(tokens[k] / dear)
     best = max(range(k_max + 1), key=lambda k: (judged[k], -k))
     return best, rates
 
@@ -376,10 +406,11 @@ def plausible_rival(alphas: list[float], cost: CostModel, batch: int, k_max: int
     standard error (of its difference to best) in its favour exceed best's. The one with the highest such
     rate, or -1 when there is none."""
     top, rival = rates[best], -1
+    doubts = cost.table(batch).difference_sd
     for k in range(k_max + 1):
         if k == best:
             continue
-        sd = cost.difference_sd(batch, k, best)
+        sd = doubts[k][best]
         if math.isinf(sd):
             continue
         e = expected_tokens(alphas, k)

@@ -33,6 +33,7 @@ EXPECTED = {
     "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
                                    "speedup_vs_no_spec", "speedup_per_rep", "no_spec_tokens_per_s", "predicted_speedup",
                                    "runner_ms_per_step"}),
+    "speculation_policy.py": ({"rows", "k_max"}, {"acceptance", "us_per_step", "share_of_step", "k_mean", "k_histogram"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),

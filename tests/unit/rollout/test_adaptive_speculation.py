@@ -152,6 +152,27 @@ def test_online_linear_fit_measures_its_noise_and_how_sure_a_difference_is():
     assert never.predict([1.0, 1.0]) == pytest.approx(0.0105, rel=1e-3)  # the rest of the fit still predicts
 
 
+def test_the_table_of_predictions_equals_the_one_at_a_time_answers():
+    rng = random.Random(1)
+    rows = [[1.0, 3.0, 1.0, 0.0], [1.0, 3.0, 0.0, 0.0], [1.0, 5.0, 1.0, 0.0], [1.0, 5.0, 1.0, 2.0], [0.0] * 4]
+    young, partial, full = OnlineLinearFit(4), OnlineLinearFit(4), OnlineLinearFit(4)
+    young.add([1.0, 2.0, 1.0, 0.0], 0.02)                # fewer samples than parameters: no variance yet
+    for n in range(60):
+        x = [1.0, float(n % 7), float(n % 3 == 0), float(n % 5 == 0)]
+        y = 0.01 + 0.001 * x[1] + 0.004 * x[2] + 0.002 * x[3] + rng.gauss(0.0, 0.0005)
+        full.add(x, y)
+        partial.add(x[:3] + [0.0], y)                    # the last feature never explored
+    for fit in (young, partial, full):
+        preds, sds = fit.predict_table(rows)
+        assert preds == pytest.approx([fit.predict(r) for r in rows], rel=1e-12, abs=1e-15)
+        for i, a in enumerate(rows):
+            for j, b in enumerate(rows):
+                want = fit.difference_sd(a, b)
+                assert (math.isinf(sds[i][j]) and math.isinf(want)) or sds[i][j] == pytest.approx(want, rel=1e-9), \
+                    (i, j, sds[i][j], want)
+    assert math.isinf(partial.predict_table(rows)[1][3][2]) and not math.isinf(partial.predict_table(rows)[1][0][2])
+
+
 def test_one_slow_step_in_a_thin_fit_does_not_make_drafts_look_free():
     """The steady batch's bucket, timed at every k twice by a calibration cycle, one k = 0 step of which
     was slow (the machine was busy): the fit then predicts k = 0 dearer than drafting."""

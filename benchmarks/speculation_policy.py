@@ -1,0 +1,108 @@
+"""What auto k's own bookkeeping costs the engine core per engine step, on replayed rollouts.
+
+Under trainer.mtp.num_speculative_tokens=auto the engine core's scheduler asks the speculation policy
+(rollout/adaptive_speculation.py) for k before every step and feeds it the step's timing and, after a
+drafting step, what was accepted. That Python work runs on the engine core's critical path, so on a small
+model it is part of what auto costs against no speculation (README: step_time's breakdown). This replays
+rollouts through the real SpeculationPolicy, without vLLM, and times exactly those calls:
+
+- a rollout of `--requests` requests whose lengths are drawn uniformly from [20, 100] tokens: the batch
+  starts full and drains as requests finish (the tail, where the batch size changes every few steps and
+  each new size needs the cost model's predictions);
+- a modelled engine step time (fixed cost, per token verified, per draft step; noise) fed back as the
+  timing, and drafts accepted per position at `acceptance` (0: an untrained head, where auto stays at k=0;
+  0.95: where it drafts k_max);
+- the weights change between rollouts (on_new_weights), as they do between RL steps.
+
+Prints a table and writes JSON: per acceptance, `us_per_step` (median over seeds of the policy's time per
+engine step), `share_of_step` (that over the modelled step time), `k_mean` and `k_histogram`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
+
+
+def step_seconds(batch: int, k: int, rng: random.Random) -> float:
+    """A small model's engine step on CPU: ~2 ms fixed, 90 us per token verified (40% more per draft
+    position), 3 ms for running the drafter at all, up to 0.4 ms of noise."""
+    return 0.002 + 0.00009 * batch * (1 + 0.4 * k) + 0.003 * (k > 0) + 0.0004 * rng.random()
+
+
+def drain(requests: int, rng: random.Random) -> list[int]:
+    lengths = sorted(rng.randint(20, 100) for _ in range(requests))
+    return [sum(1 for n in lengths if n > t) for t in range(lengths[-1])]
+
+
+def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: int) -> dict:
+    rng = random.Random(seed)
+    policy = SpeculationPolicy(k_max=k_max)
+    spent = modelled = 0.0
+    steps = 0
+    for _ in range(rollouts):
+        policy.on_new_weights()
+        for batch in drain(requests, rng):
+            accepted = []
+            t0 = time.perf_counter()
+            k = policy.choose(batch, True)
+            spent += time.perf_counter() - t0
+            if k:
+                for _ in range(batch):   # accepted drafts are a prefix
+                    n = 0
+                    while n < k and rng.random() < acceptance:
+                        n += 1
+                    accepted.append(n)
+            seconds = step_seconds(batch, k, rng)
+            t0 = time.perf_counter()
+            if k:
+                policy.acceptance.observe([k] * batch, accepted)
+                policy.credit_verified(batch, [k] * batch, accepted)
+            policy.cost.observe(batch * (1 + k), batch, k, seconds)
+            spent += time.perf_counter() - t0
+            modelled += seconds
+            steps += 1
+    return {"us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
+            "k_mean": policy.chosen_sum / policy.chosen_count, "k_histogram": list(policy.histogram),
+            "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rollouts", type=int, default=40)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--k-max", type=int, default=3)
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.6, 0.95])
+    ap.add_argument("--quick", action="store_true", help="a few rollouts, for the smoke test")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.quick:
+        args.rollouts, args.seeds = 4, 2
+    rows = []
+    for acceptance in args.acceptance:
+        runs = [replay(seed, args.rollouts, args.requests, acceptance, args.k_max) for seed in range(args.seeds)]
+        rows.append({"acceptance": acceptance,
+                     "us_per_step": statistics.median(r["us_per_step"] for r in runs),
+                     "us_per_step_per_seed": [round(r["us_per_step"], 2) for r in runs],
+                     "share_of_step": statistics.median(r["share_of_step"] for r in runs),
+                     "k_mean": statistics.mean(r["k_mean"] for r in runs),
+                     "k_histogram": [sum(r["k_histogram"][k] for r in runs) for k in range(args.k_max + 1)],
+                     "steps": sum(r["steps"] for r in runs)})
+    print(f"{'acceptance':>10} {'us/step':>9} {'share':>7} {'k_mean':>7}  k_histogram")
+    for r in rows:
+        print(f"{r['acceptance']:>10.2f} {r['us_per_step']:>9.1f} {r['share_of_step']:>7.2%} {r['k_mean']:>7.2f}  "
+              f"{r['k_histogram']}")
+    if args.json:
+        args.json.write_text(json.dumps({"rollouts": args.rollouts, "requests": args.requests, "seeds": args.seeds,
+                                         "k_max": args.k_max, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
