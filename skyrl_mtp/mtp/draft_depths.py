@@ -15,7 +15,7 @@ cost more than drafting saves, so the head trains when its credit covers what it
 plus an allowance of `trainer.mtp.idle_head_train_budget` of each step's time for keeping it aligned with
 the policy for when drafting pays again. The allowance bounds what keeping an idle head aligned costs, as
 a share of the run, on any model: a head that costs a sliver of a large model's step trains on most steps,
-one that costs a third of a tiny model's update trains every dozen or so.
+the tiny default's (some 60% of its policy update) about every 14th step.
 
 The shares the trainer passes are those of the k each engine's policy chose, not of the k it ran: its
 probes, challenges and timing cycles run other ks on a small, steady share of the steps, and counted as
