@@ -199,10 +199,6 @@ class OnlineLinearFit:
         until more samples than parameters were seen."""
         return self._solution().variance
 
-    def predict_sd(self, x: list[float]) -> float:
-        """Standard error of predict(x): infinite until the fit has seen enough samples along x."""
-        return self.difference_sd(x, [0.0] * self.dim)
-
     def difference_sd(self, x_a: list[float], x_b: list[float]) -> float:
         """Standard error of predict(x_a) - predict(x_b): large where the samples barely tell the two apart
         (few of them, or noisy), infinite along a direction no sample has explored."""
@@ -311,7 +307,7 @@ class CostModel:
 
     def _compute_table(self, fit: OnlineLinearFit, batch: int) -> _CostTable:
         ks = range(self.k_max + 1)
-        # the last row, all zeros, makes difference_sd against it predict_sd
+        # the last row, all zeros: difference_sd against it is the prediction's own standard error
         preds, sds = fit.predict_table([step_features(batch * (1 + k), batch, k) for k in ks] + [[0.0] * fit.dim])
         seconds = [max(preds[k], 1e-6) for k in ks]
         step_sd = [sds[k][-1] for k in ks]
