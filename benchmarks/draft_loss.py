@@ -114,6 +114,8 @@ def main(argv=None) -> dict:
                     help="the cheaper option: draft loss on this fraction of positions (trainer.mtp.loss_position_fraction)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the policies' parameter dtype (bfloat16 is what a GPU run would train in)")
     ap.add_argument("--loss-types", default=",".join(LOSS_TYPES))
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of the MTP-on extra cost")
     ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} (explicit flags still win)")
@@ -145,14 +147,14 @@ def main(argv=None) -> dict:
 
     ckpt = build_checkpoint(Path(tempfile.mkdtemp(prefix="draft_loss_bench_")) / "ckpt", a)
     port = free_port()
-    common = dict(micro_batch_size=a.batch, policy_lr=1e-5, head_lr=1e-4)
+    common = dict(micro_batch_size=a.batch, policy_lr=1e-5, head_lr=1e-4, dtype=a.dtype)
     on = MegatronPolicy(PolicyWorkerConfig(**common), str(ckpt), 0, 1, "127.0.0.1", port)
     off = MegatronPolicy(PolicyWorkerConfig(**common, mtp_enabled=False), str(ckpt), 0, 1, "127.0.0.1", port)
     cheap = MegatronPolicy(PolicyWorkerConfig(**common, mtp_loss_position_fraction=a.position_fraction), str(ckpt),
                            0, 1, "127.0.0.1", port)
     raw = random_dapo_batch(torch.Generator().manual_seed(0), a.batch, a.seq, vocab=a.vocab, prompt_len=a.prompt_len)
-    ids, lm = raw["input_ids"], raw["loss_mask"]
-    batch = prepare(raw)
+    batch = on._on_device(prepare(raw))  # the policies share one device (CUDA when there is one)
+    ids, lm = batch["input_ids"], batch["loss_mask"]
     on.model.train()
     off.model.train()
 
@@ -202,7 +204,8 @@ def main(argv=None) -> dict:
               "flop_floor_ratio_mtp_on_off_cheap": round(flop_floor_ratio(a, a.position_fraction), 4),
               "policy_fwd_bwd_ms": round(policy_ms, 2), "policy_fwd_bwd_cpu_ms": round(policy_cpu, 2),
               "policy_fwd_bwd_peak_mem_mb": round(policy_mb, 1),
-              "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+              "device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": a.dtype,
+              "threads": torch.get_num_threads(),
               "shape": {k: getattr(a, k) for k in ("hidden", "layers", "vocab", "batch", "seq", "prompt_len", "chunk")}}
 
     if a.breakdown:

@@ -100,6 +100,9 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from ..models.families.megatron_common import mtp_inner_layer_name
+
+    inner = mtp_inner_layer_name()
     if inputs is None:
         from ..policy.megatron.model_builder import family_of_model
 
@@ -121,7 +124,7 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
         x = torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1)
         x, _ = layer.eh_proj(x)
         x = gather_from_tensor_model_parallel_region(x)
-        x, _ = layer.transformer_layer(hidden_states=x, attention_mask=kw.get("attention_mask"),
+        x, _ = getattr(layer, inner)(hidden_states=x, attention_mask=kw.get("attention_mask"),
                                        rotary_pos_emb=kw.get("rotary_pos_emb"))
         x = layer.final_layernorm(x)
         outs.append(x)

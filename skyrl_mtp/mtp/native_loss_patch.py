@@ -1,10 +1,11 @@
 """Disable megatron-core's built-in MTP loss, which would back-propagate a hard-CE into the trunk.
 
 megatron-core 0.16.x computes it inline in ``GPTModel._postprocess``; 0.19 moved it into
-``process_mtp_loss`` (imported by name into ``megatron.core.models.gpt.gpt_model``). The 0.16
-replacement skips the MTP block (the decoupled draft loss replays it from captured inputs); the 0.19
-one strips the MTP chunks from the hidden states. No loss is attached either way. Any other layout
-raises: update this module first.
+``process_mtp_loss`` (imported by name into ``megatron.core.models.gpt.gpt_model``). On both, the MTP block
+runs in ``_postprocess`` only when its ``mtp_in_postprocess`` argument says so, so the patch wraps
+``_postprocess`` to skip the block (the decoupled draft loss replays it from inputs captured at the
+decoder); on 0.19 ``process_mtp_loss`` is also replaced by one that strips MTP chunks and attaches no
+loss, should any other path reach it. Any other layout raises: update this module first.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def detect_layout(gpt_model_module) -> str:
             raise NativeMTPLossPatchError(
                 f"megatron.core.models.gpt.gpt_model.process_mtp_loss changed signature {params}: "
                 f"missing {missing}; update skyrl_mtp/mtp/native_loss_patch.py")
+        post = getattr(getattr(gpt_model_module, "GPTModel", None), "_postprocess", None)
+        params = list(inspect.signature(post).parameters) if post is not None else []
+        missing = [p for p in _POSTPROCESS_PARAMS if p not in params]
+        if missing:
+            raise NativeMTPLossPatchError(
+                f"GPTModel._postprocess (parameters {params}) lacks {missing}: the patch skips the MTP block "
+                "through mtp_in_postprocess; update skyrl_mtp/mtp/native_loss_patch.py")
         return "process_mtp_loss"
     cls = getattr(gpt_model_module, "GPTModel", None)
     post = getattr(cls, "_postprocess", None)
@@ -87,10 +95,9 @@ def disable_native_mtp_loss(gpt_model_module=None) -> str:
     if key in _STATE:
         return _STATE[key]
     layout = detect_layout(gpt_model_module)
+    cls = gpt_model_module.GPTModel
+    cls._postprocess = _wrap_postprocess(cls._postprocess)
     if layout == "process_mtp_loss":
         gpt_model_module.process_mtp_loss = _no_mtp_loss
-    else:
-        cls = gpt_model_module.GPTModel
-        cls._postprocess = _wrap_postprocess(cls._postprocess)
     _STATE[key] = layout
     return layout

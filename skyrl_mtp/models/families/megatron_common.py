@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Iterable
+
 import torch
 
 from .base import ModelBuildError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# The attribute of a MultiTokenPredictionLayer holding its transformer layer, by megatron-core release;
+# the MTP weight names (mtp.layers.N.<name>.*) follow it.
+MTP_INNER_LAYER_NAMES = {"0.16": "transformer_layer", "0.19": "mtp_model_layer"}
+
+
+def mtp_inner_layer_name_from_fields(fields: Iterable[str]) -> str:
+    """The one known inner-layer name among ``MultiTokenPredictionLayerSubmodules``' fields; raises naming
+    the fields when there is none (a megatron-core layout this module does not know)."""
+    fields = set(fields)
+    found = [n for n in MTP_INNER_LAYER_NAMES.values() if n in fields]
+    if len(found) != 1:
+        raise ModelBuildError(f"megatron-core's MultiTokenPredictionLayerSubmodules has fields {sorted(fields)}: "
+                              f"expected exactly one of {MTP_INNER_LAYER_NAMES} (releases and names known); "
+                              "update MTP_INNER_LAYER_NAMES in models/families/megatron_common.py")
+    return found[0]
+
+
+@functools.cache
+def mtp_inner_layer_name() -> str:
+    """'transformer_layer' on megatron-core 0.16.x, 'mtp_model_layer' on 0.19.x: read from the installed
+    release, so the weight rules and the draft-head replay name the layer the model really has."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayerSubmodules
+
+    return mtp_inner_layer_name_from_fields(f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules))
 
 
 def check_dtype(dtype: str) -> torch.dtype:

@@ -29,6 +29,7 @@ from .megatron_common import (
     check_dtype,
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
+    mtp_inner_layer_name,
     rope_base,
 )
 
@@ -159,7 +160,7 @@ class MiMoFamily(ModelFamily):
         out["decoder.final_layernorm.weight"] = copy_rule("model.norm.weight")
         for j in range(mtp_layers):
             p, h = f"mtp.layers.{j}.", f"model.mtp_layers.{j}."
-            out.update(self._block_rules(args, p + "transformer_layer.", h))
+            out.update(self._block_rules(args, p + mtp_inner_layer_name() + ".", h))
             out[p + "enorm.weight"] = copy_rule(h + "token_layernorm.weight")
             out[p + "hnorm.weight"] = copy_rule(h + "hidden_layernorm.weight")
             out[p + "eh_proj.weight"] = swap_halves_rule(h + "input_proj.weight")

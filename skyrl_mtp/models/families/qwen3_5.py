@@ -39,6 +39,7 @@ from .megatron_common import (
     check_dtype,
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
+    mtp_inner_layer_name,
     rope_base,
 )
 
@@ -279,7 +280,7 @@ class Qwen35Family(ModelFamily):
             raise ModelBuildError(f"mtp_layers={mtp_layers}: Qwen3.5 maps at most 1 MTP layer")
         if mtp_layers == 1:
             m = "mtp.layers.0."
-            out.update(self._attention_rules(args, m + "transformer_layer.", "mtp.layers.0."))
+            out.update(self._attention_rules(args, m + mtp_inner_layer_name() + ".", "mtp.layers.0."))
             out[m + "enorm.weight"] = copy_rule("mtp.pre_fc_norm_embedding.weight")
             out[m + "hnorm.weight"] = copy_rule("mtp.pre_fc_norm_hidden.weight")
             out[m + "eh_proj.weight"] = split_rule("mtp.fc.weight", 0)

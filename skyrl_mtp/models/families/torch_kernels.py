@@ -25,6 +25,20 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def _gdn_modules(gdn) -> list:
+    """The modules whose globals GatedDeltaNet reads ``HAVE_FLA`` / ``l2norm`` from: the module itself on
+    megatron-core 0.16.x; on 0.19 a package whose ``common`` submodule defines them (and the base class)."""
+    import sys
+
+    homes = [gdn, sys.modules[gdn.torch_chunk_gated_delta_rule.__module__]]
+    homes += [sys.modules[c.__module__] for c in gdn.GatedDeltaNet.__mro__ if c.__module__.startswith("megatron.")]
+    out = []
+    for m in homes:
+        if hasattr(m, "HAVE_FLA") and m not in out:
+            out.append(m)
+    return out
+
+
 def enable_torch_gated_delta_net() -> bool:
     """Let megatron-core's GatedDeltaNet build without ``fla``; True when it must run in deterministic mode
     (the pure-torch delta rule). Checks that what it patches is still there."""
@@ -33,11 +47,13 @@ def enable_torch_gated_delta_net() -> bool:
     missing = [n for n in ("HAVE_FLA", "GatedDeltaNet", "torch_chunk_gated_delta_rule") if not hasattr(gdn, n)]
     if missing:
         raise ModelBuildError(f"megatron.core.ssm.gated_delta_net has no {missing}: this megatron-core version's "
-                              "Gated DeltaNet is not the one skyrl_mtp supports (0.16.x); update torch_kernels.py")
-    if gdn.HAVE_FLA and getattr(gdn, "l2norm", None) is not l2norm:
+                              "Gated DeltaNet is not one skyrl_mtp supports (0.16.x, 0.19.x); update torch_kernels.py")
+    homes = _gdn_modules(gdn)
+    if all(m.HAVE_FLA and getattr(m, "l2norm", None) is not l2norm for m in homes):
         return False  # the real fla kernels are importable: Megatron uses them
-    gdn.l2norm = l2norm
-    gdn.HAVE_FLA = True
+    for m in homes:
+        m.l2norm = l2norm
+        m.HAVE_FLA = True
     return True
 
 

@@ -247,3 +247,35 @@ def test_tiny_factory_builds_a_deterministic_qwen3_5_checkpoint(tmp_path):
 def test_tiny_family_bad_specs_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TinyModelSpec(**kwargs)
+
+
+@pytest.mark.parametrize("fields, want", [
+    (["hnorm", "enorm", "eh_proj", "transformer_layer", "layer_norm"], "transformer_layer"),   # megatron-core 0.16
+    (["hnorm", "enorm", "eh_proj", "mtp_model_layer", "layer_norm"], "mtp_model_layer"),       # megatron-core 0.19
+])
+def test_mtp_inner_layer_name_follows_the_megatron_release(fields, want):
+    from skyrl_mtp.models.families.megatron_common import mtp_inner_layer_name_from_fields
+
+    assert mtp_inner_layer_name_from_fields(fields) == want
+
+
+@pytest.mark.parametrize("fields", [["hnorm", "enorm"], ["transformer_layer", "mtp_model_layer"]])
+def test_an_unknown_mtp_layer_layout_is_refused_by_name(fields):
+    from skyrl_mtp.models.families.megatron_common import mtp_inner_layer_name_from_fields
+
+    with pytest.raises(ModelBuildError, match="MultiTokenPredictionLayerSubmodules.*MTP_INNER_LAYER_NAMES"):
+        mtp_inner_layer_name_from_fields(fields)
+
+
+def test_mtp_weight_rules_name_the_installed_megatron_layer():
+    """The MTP rules of both families use the inner-layer name of the installed megatron-core, so the
+    mapping matches the model Megatron builds (0.16: transformer_layer; 0.19: mtp_model_layer)."""
+    from skyrl_mtp.models.families.megatron_common import mtp_inner_layer_name
+    from skyrl_mtp.models.tiny import hf_config
+    from skyrl_mtp.policy.megatron.hf_bridge import weight_rules
+
+    for spec in (TinyModelSpec(), TinyModelSpec(family="qwen3_5")):
+        cfg = hf_config(spec, _Tok())
+        args = family_for_config(cfg).args_from_config(cfg)
+        parts = {n.split(".")[3] for n in weight_rules(args, 1) if n.startswith("mtp.layers.0.") and n.count(".") > 4}
+        assert parts == {mtp_inner_layer_name()}, (spec.family, parts)
