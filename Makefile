@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup test test-avx2 cpu-isa test-unit run lint clean-venv
+.PHONY: setup test test-avx2 test-megatron-0.19 cpu-isa test-unit run lint clean-venv
 
 setup: $(STAMP)
 
@@ -34,6 +34,19 @@ cpu-isa: setup
 # subprocesses included) sees torch report a CPU without AVX-512, which is what vLLM's choice reads.
 test-avx2: setup
 	SKYRL_MTP_VLLM_CPU_ISA=avx2 PYTHONPATH=$(CURDIR)/scripts/cpu_isa $(MAKE) test
+
+# The Megatron-facing tests on megatron-core 0.19.2, which the `gpu` extra resolves on Python >= 3.12
+# (this venv's 3.11 resolves 0.16.1). pip refuses the 0.19 wheel on 3.11 (Requires-Python), but its
+# Python code runs here: the wheel is unpacked into .cache and put first on PYTHONPATH (its one compiled
+# module, a dataset helper, is unused).
+MEGATRON_019 := .cache/megatron-core-0.19.2
+test-megatron-0.19: setup
+	test -d $(MEGATRON_019)/megatron || ( rm -rf $(MEGATRON_019).whl && \
+	  $(BIN)/pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+	    -d $(MEGATRON_019).whl megatron-core==0.19.2 && \
+	  $(BIN)/python -m zipfile -e $(MEGATRON_019).whl/megatron_core-0.19.2-*.whl $(MEGATRON_019) )
+	PYTHONPATH=$(CURDIR)/$(MEGATRON_019) $(BIN)/python -m pytest tests/unit/models tests/unit/mtp tests/unit/policy \
+	  tests/integration/policy tests/integration/mtp_tp $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -115,7 +115,8 @@ def shim_active() -> bool:
 # ``apply_cpu_shim`` already answers with the CPU. Rather than patch each function, the Megatron optimizer
 # calls run under one TorchFunctionMode that, inside its scope only, (1) turns a ``device`` argument naming
 # CUDA into the CPU, (2) makes ``Tensor.cuda()`` a no-op on CPU tensors and (3) lets a CPU float tensor answer
-# ``.type()`` with its CUDA type name. Any other CUDA API (streams, events, NCCL allocator) still fails loudly.
+# ``.type()`` with its CUDA type name; ``torch.cuda.current_stream()`` answers a CPU stream whose waits are
+# no-ops (0.19). Any other CUDA API (streams, events, NCCL allocator) still fails loudly.
 # ---------------------------------------------------------------------------------------------------------
 
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -161,5 +162,28 @@ def megatron_optimizer_on_cpu():
     from torch import overrides
 
     _require_attr(overrides, "TorchFunctionMode", "torch.overrides")
-    with _cuda_on_cpu_mode():
-        yield
+    current_stream = _require_attr(torch.cuda, "current_stream", "torch.cuda")
+    torch.cuda.current_stream = _cpu_current_stream
+    try:
+        with _cuda_on_cpu_mode():
+            yield
+    finally:
+        torch.cuda.current_stream = current_stream
+
+
+class _CpuStream:
+    """What ``torch.cuda.current_stream()`` answers inside ``megatron_optimizer_on_cpu``: CPU ops run in
+    order, so waiting on an event or a stream is a no-op (megatron-core 0.19's grad sync waits on the
+    current stream for CUDA-graph events it never records on CPU). Anything else a stream can do raises."""
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            raise CpuShimError(f"megatron_optimizer_on_cpu: a CUDA event {event!r} to wait on, on CPU")
+
+    def wait_stream(self, stream) -> None:
+        if not isinstance(stream, _CpuStream):
+            raise CpuShimError(f"megatron_optimizer_on_cpu: waiting on stream {stream!r}, on CPU")
+
+
+def _cpu_current_stream(device=None) -> _CpuStream:
+    return _CpuStream()
