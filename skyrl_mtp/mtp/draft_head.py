@@ -125,7 +125,7 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
         x, _ = layer.eh_proj(x)
         x = gather_from_tensor_model_parallel_region(x)
         x, _ = getattr(layer, inner)(hidden_states=x, attention_mask=kw.get("attention_mask"),
-                                       rotary_pos_emb=kw.get("rotary_pos_emb"))
+                                     rotary_pos_emb=kw.get("rotary_pos_emb"))
         x = layer.final_layernorm(x)
         outs.append(x)
         hidden = x  # deeper_hidden == "previous_output": depth d+1 is fed depth d's final-normed output
