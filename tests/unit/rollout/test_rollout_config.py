@@ -105,3 +105,18 @@ def test_validate_prompts(prompts, match):
     with pytest.raises(ValueError, match=match):
         validate_prompts(prompts, vocab_size=512, max_model_len=8)
     validate_prompts([[1, 2, 3]], vocab_size=512, max_model_len=8)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU engine defaults")
+def test_cpu_engine_runs_a_single_worker_in_process(monkeypatch):
+    from skyrl_mtp.rollout.engine import cpu_engine_defaults, engine_process_environment
+
+    one = cpu_engine_defaults(EngineConfig(model_path="/x"))
+    assert one["distributed_executor_backend"] == "uni" and one["enable_chunked_prefill"] is False
+    assert "distributed_executor_backend" not in cpu_engine_defaults(EngineConfig(model_path="/x",
+                                                                                  tensor_parallel_size=2))
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert engine_process_environment(one) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine_process_environment({"distributed_executor_backend": "mp"}) == {}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")   # the user's setting wins
+    assert engine_process_environment(one) == {}
