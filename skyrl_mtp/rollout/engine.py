@@ -99,9 +99,9 @@ def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
       which CPU generators lack).
     - A one-worker engine runs its worker inside vLLM's EngineCore process (the "uni" executor) instead of a
       process of its own. With a worker process, vLLM's shared-memory queue readers (the worker waiting
-      for work, the EngineCore waiting for results) busy-loop for 1 s after every message, which on a
-      small CPU host takes a core from every other phase of the RL step; CPU engines gain nothing from
-      the split, as vLLM turns async scheduling off on CPU. Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 in
+      for work, the EngineCore waiting for results) busy-loop for 1 s after every message: on the tiny
+      default the worker process used ~0.9 of a core through every phase of the RL step. CPU engines
+      gain no overlap from the split, as vLLM turns async scheduling off on CPU. Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 in
       the engine's process (``engine_process_environment``), without which vLLM's CPU platform turns "uni"
       back into "mp".
     """
