@@ -27,19 +27,22 @@ _POSTPROCESS_PARAMS = ("self", "hidden_states", "input_ids", "position_ids", "la
 _PROCESS_MTP_LOSS_PARAMS = ("hidden_states", "labels", "loss_mask", "output_layer", "config")
 
 
+def _missing_params(fn, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(fn's parameter names, those of ``wanted`` it lacks); a missing fn has none."""
+    params = list(inspect.signature(fn).parameters) if fn is not None else []
+    return params, [p for p in wanted if p not in params]
+
+
 def detect_layout(gpt_model_module) -> str:
     """'process_mtp_loss' (0.19 style) or 'inline_postprocess' (0.16 style); raises otherwise."""
     if hasattr(gpt_model_module, "process_mtp_loss"):
-        fn = gpt_model_module.process_mtp_loss
-        params = list(inspect.signature(fn).parameters)
-        missing = [p for p in _PROCESS_MTP_LOSS_PARAMS if p not in params]
+        params, missing = _missing_params(gpt_model_module.process_mtp_loss, _PROCESS_MTP_LOSS_PARAMS)
         if missing:
             raise NativeMTPLossPatchError(
                 f"megatron.core.models.gpt.gpt_model.process_mtp_loss changed signature {params}: "
                 f"missing {missing}; update skyrl_mtp/mtp/native_loss_patch.py")
         post = getattr(getattr(gpt_model_module, "GPTModel", None), "_postprocess", None)
-        params = list(inspect.signature(post).parameters) if post is not None else []
-        missing = [p for p in _POSTPROCESS_PARAMS if p not in params]
+        params, missing = _missing_params(post, _POSTPROCESS_PARAMS)
         if missing:
             raise NativeMTPLossPatchError(
                 f"GPTModel._postprocess (parameters {params}) lacks {missing}: the patch skips the MTP block "
@@ -51,8 +54,7 @@ def detect_layout(gpt_model_module) -> str:
         raise NativeMTPLossPatchError(
             "neither megatron.core.models.gpt.gpt_model.process_mtp_loss nor GPTModel._postprocess exists: "
             "the native MTP loss moved; update skyrl_mtp/mtp/native_loss_patch.py")
-    params = list(inspect.signature(post).parameters)
-    missing = [p for p in _POSTPROCESS_PARAMS if p not in params]
+    _, missing = _missing_params(post, _POSTPROCESS_PARAMS)
     src = inspect.getsource(post)
     markers = ("mtp_labels", "MTPLossAutoScaler.apply", "self.config.mtp_num_layers")
     absent = [m for m in markers if m not in src]

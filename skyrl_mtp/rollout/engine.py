@@ -1,11 +1,11 @@
 """`InferenceEngine`: one vLLM engine (AsyncLLM, MTP speculative decoding) living in a Ray actor.
 
 The engine is built inside the actor (vLLM spawns its EngineCore process from there; on CPU a
-one-worker engine's worker runs inside that process, see cpu_engine_defaults). Concurrent `generate` calls share vLLM's continuous batching, so many small requests
-(multi-turn rollouts) batch together. Weight updates go through vLLM's weight-transfer API (the
-trainer-side engine in the policy's rank 0 drives init / start / update / finish through this actor,
-rollout/weight_transfer/); acceptance counters are read from the actor process's
-Prometheus registry, where vLLM's stat logger records them.
+one-worker engine's worker runs inside that process, see cpu_engine_defaults). Concurrent `generate`
+calls share vLLM's continuous batching, so many small requests (multi-turn rollouts) batch together.
+Weight updates go through vLLM's weight-transfer API (the trainer-side engine in the policy's rank 0
+drives init / start / update / finish through this actor, rollout/weight_transfer/); acceptance
+counters are read from the actor process's Prometheus registry, where vLLM's stat logger records them.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
       process of its own. With a worker process, vLLM's shared-memory queue readers (the worker waiting
       for work, the EngineCore waiting for results) busy-loop for 1 s after every message: on the tiny
       default the worker process used ~0.9 of a core through every phase of the RL step. CPU engines
-      gain no overlap from the split, as vLLM turns async scheduling off on CPU. Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 in
-      the engine's process (``engine_process_environment``), without which vLLM's CPU platform turns "uni"
-      back into "mp".
+      gain no overlap from the split, as vLLM turns async scheduling off on CPU. Needs
+      VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's process (``engine_process_environment``), without
+      which vLLM's CPU platform turns "uni" back into "mp".
     """
     import torch
 

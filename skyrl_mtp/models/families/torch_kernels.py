@@ -32,11 +32,7 @@ def _gdn_modules(gdn) -> list:
 
     homes = [gdn, sys.modules[gdn.torch_chunk_gated_delta_rule.__module__]]
     homes += [sys.modules[c.__module__] for c in gdn.GatedDeltaNet.__mro__ if c.__module__.startswith("megatron.")]
-    out = []
-    for m in homes:
-        if hasattr(m, "HAVE_FLA") and m not in out:
-            out.append(m)
-    return out
+    return [m for m in dict.fromkeys(homes) if hasattr(m, "HAVE_FLA")]
 
 
 def enable_torch_gated_delta_net() -> bool:
