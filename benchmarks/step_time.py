@@ -30,7 +30,12 @@ policy forward skips the MTP block; engines idle in both). Their intervals come 
 They cannot see a cost that speculation adds to that policy work itself (it would cancel), which the
 raw ratios still carry.
 
+A few percent needs more repeats than one sitting allows on a noisy machine: `--pool A.json B.json ...`
+runs nothing and reports the repeats of earlier invocations' `--json` outputs (same `--steps`, `--skip`
+and `--setups`) together, as if one invocation had run them all.
+
     python benchmarks/step_time.py [--steps 12] [--repeats 1] [--setups a,b] [--quick] [--json OUT] [override ...]
+    python benchmarks/step_time.py --pool A.json B.json [--json OUT]
 """
 
 from __future__ import annotations
@@ -153,6 +158,124 @@ def normalised_ratio(spec_runs: list[list[float]], base_runs: list[list[float]],
     return total(spec_runs) / total(spec_ref) / (total(base_runs) / total(base_ref))
 
 
+HEADLINE_SETUPS = ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling")
+ROW_MEANS = ("acceptance", "tokens_per_s", "reward", "k_mean", "head_depths", "head_trained_share")
+
+
+def setup_rows(results: dict[str, dict]) -> list[dict]:
+    """One JSON row per set-up (`summarize` output), with its ratios to no_spec."""
+    base = results["no_spec"]
+    rows = []
+    for name, r in results.items():
+        rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
+                     "tokens_per_s": r["tokens_per_s"], "reward": r["reward_mean"],
+                     "generate_ratio_vs_no_spec": r["generate"] / base["generate"],
+                     "step_ratio_vs_no_spec": r["step"] / base["step"],
+                     "k_mean": r["k_mean"], "head_depths": r["head_depths"],
+                     "head_trained_share": r["head_trained_share"]})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'setup':<20}" + "".join(f"{p + '_s':>16}" for p in PHASES)
+          + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}")
+    for r in rows:
+        print(f"{r['setup']:<20}" + "".join(f"{r[p + '_s']:>16.3f}" for p in PHASES)
+              + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{r['generate_ratio_vs_no_spec']:>13.2f}"
+              f"{r['step_ratio_vs_no_spec']:>14.2f}")
+
+
+def headline_ratios(per_step: dict[str, list[dict]]) -> dict:
+    """The headline figures from the runs' per-step times (`per_step`: set-up -> one {phase: times} per
+    run, run i of every set-up one repeat): the product set-up (auto k when measured, else the fixed-k one)
+    over no_spec, raw and speed-normalised, each with its bootstrap interval, and per repeat."""
+    spec = next((n for n in HEADLINE_SETUPS if n in per_step), None)
+    headline: dict = {"spec_setup": spec, "step_ratio_spec_over_nospec": None, "generate_ratio_spec_over_nospec": None}
+    if spec is None:
+        return headline
+
+    def series(name: str, p: str) -> list:
+        return [run[p] for run in per_step[name]]
+
+    def mean(name: str, p: str) -> float:
+        return sum(map(sum, series(name, p))) / sum(map(len, series(name, p)))
+
+    for p in ("step", "generate"):
+        headline[f"{p}_ratio_spec_over_nospec"] = mean(spec, p) / mean("no_spec", p)
+    headline["repeat_ratios"] = [
+        {"step": sum(s["step"]) / sum(b["step"]), "generate": sum(s["generate"]) / sum(b["generate"]),
+         **{f"{p}_speed_normalised": normalised_ratio([s[p]], [b[p]], [s[REFERENCE]], [b[REFERENCE]])
+            for p in ("step", "generate")}}
+        for s, b in zip(per_step[spec], per_step["no_spec"])]
+    for p in ("step", "generate"):
+        headline[f"{p}_ratio_ci95"] = list(ratio_ci95(series(spec, p), series("no_spec", p)))
+        headline[f"{p}_ratio_speed_normalised"] = normalised_ratio(
+            series(spec, p), series("no_spec", p), series(spec, REFERENCE), series("no_spec", REFERENCE))
+        headline[f"{p}_ratio_speed_normalised_ci95"] = list(ratio_ci95(
+            series(spec, p), series("no_spec", p), spec_ref=series(spec, REFERENCE),
+            base_ref=series("no_spec", REFERENCE)))
+    return headline
+
+
+def print_headline(h: dict) -> None:
+    if h["spec_setup"] is None:
+        return
+    print(f"{h['spec_setup']} over no_spec: step {h['step_ratio_spec_over_nospec']:.3f} "
+          f"(95% CI {h['step_ratio_ci95'][0]:.3f}-{h['step_ratio_ci95'][1]:.3f}), "
+          f"generate {h['generate_ratio_spec_over_nospec']:.3f} "
+          f"(95% CI {h['generate_ratio_ci95'][0]:.3f}-{h['generate_ratio_ci95'][1]:.3f})")
+    print(f"  per second of {REFERENCE} (the run's speed divided out): step "
+          f"{h['step_ratio_speed_normalised']:.3f} (95% CI "
+          f"{h['step_ratio_speed_normalised_ci95'][0]:.3f}-{h['step_ratio_speed_normalised_ci95'][1]:.3f}), "
+          f"generate {h['generate_ratio_speed_normalised']:.3f} (95% CI "
+          f"{h['generate_ratio_speed_normalised_ci95'][0]:.3f}-"
+          f"{h['generate_ratio_speed_normalised_ci95'][1]:.3f})")
+    if len(h["repeat_ratios"]) > 1:
+        print("  per repeat: " + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r.items())
+                                          for r in h["repeat_ratios"]))
+
+
+def pool_results(docs: list[tuple[str, dict]]) -> dict:
+    """Several earlier invocations' JSON (`--json` output; (name, document) pairs) as one: their repeats
+    side by side, as if one invocation had run them all. They must agree on `steps`, `skip` and the
+    set-ups: a run's steps after the warm-up are not interchangeable with another length's. Raises
+    ValueError naming the first file that differs."""
+    if not docs:
+        raise ValueError("--pool needs at least one JSON file written by step_time.py --json")
+    first_name, first = docs[0]
+    for name, doc in docs:
+        missing = [k for k in ("steps", "skip", "per_step", "rows") if k not in doc]
+        if missing:
+            raise ValueError(f"--pool {name}: not a step_time.py --json output (no {missing})")
+        for key in ("steps", "skip"):
+            if doc[key] != first[key]:
+                raise ValueError(f"--pool {name}: {key}={doc[key]} but {first_name} has {key}={first[key]}; "
+                                 f"pool invocations of the same --steps and --skip only")
+        if sorted(doc["per_step"]) != sorted(first["per_step"]):
+            raise ValueError(f"--pool {name}: set-ups {sorted(doc['per_step'])} but {first_name} has "
+                             f"{sorted(first['per_step'])}; pool invocations of the same --setups only")
+    per_step = {s: [run for _, doc in docs for run in doc["per_step"][s]] for s in first["per_step"]}
+    rows = []
+    for setup in first["per_step"]:
+        # each file's row is a mean over its runs' steps: weigh it by how many steps it saw
+        parts = [(next(r for r in doc["rows"] if r["setup"] == setup), sum(len(run["step"]) for run in
+                                                                            doc["per_step"][setup]))
+                 for _, doc in docs]
+        n = sum(w for _, w in parts)
+        row = {"setup": setup}
+        for key in (*(f"{p}_s" for p in PHASES), *ROW_MEANS):
+            vals = [(r.get(key), w) for r, w in parts]
+            row[key] = None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals) / n
+        rows.append(row)
+    base = next(r for r in rows if r["setup"] == "no_spec")
+    for r in rows:
+        r["generate_ratio_vs_no_spec"] = r["generate_s"] / base["generate_s"]
+        r["step_ratio_vs_no_spec"] = r["step_s"] / base["step_s"]
+    return {"steps": first["steps"], "skip": first["skip"], "repeats": len(per_step["no_spec"]),
+            "pooled_from": [name for name, _ in docs], **headline_ratios(per_step), "rows": rows,
+            "per_step": per_step}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -163,9 +286,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {list(SETUPS)} (must include no_spec)")
     ap.add_argument("--keep-runs", type=Path, default=None,
                     help="keep every run's directory (metrics.jsonl, config) under this folder instead of a temporary one")
+    ap.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: report the repeats of these earlier --json outputs (same --steps, --skip and "
+                         "--setups) together, with their intervals")
     ap.add_argument("--quick", action="store_true", help=f"smoke size {QUICK} with overrides {QUICK_OVERRIDES}")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every set-up")
     a = ap.parse_args(argv)
+    if a.pool:
+        docs = []
+        for path in a.pool:
+            try:
+                docs.append((str(path), json.loads(path.read_text())))
+            except (OSError, json.JSONDecodeError) as err:
+                ap.error(f"--pool {path}: cannot read it as JSON ({err})")
+        try:
+            pooled = pool_results(docs)
+        except ValueError as err:
+            ap.error(str(err))
+        print(f"pooled {pooled['repeats']} repeats of {pooled['steps']} steps from {len(docs)} file(s)")
+        print_rows(pooled["rows"])
+        print_headline(pooled)
+        if a.json:
+            a.json.write_text(json.dumps(pooled, indent=2))
+        return 0
     if a.quick:
         ap.set_defaults(**QUICK)
         a = ap.parse_args(argv)
@@ -185,56 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.repeats):   # alternate the order (A B, B A, ...): drift of a busy machine cancels
             for name in (setups if rep % 2 == 0 else setups[::-1]):
                 runs[name].append(run_setup(name, SETUPS[name], a.steps, Path(tmp) / f"rep{rep}", a.overrides))
-    results = {name: summarize([row for run in rs for row in run], a.skip) for name, rs in runs.items()}
-    base = results["no_spec"]
-    header = f"{'setup':<20}" + "".join(f"{p + '_s':>16}" for p in PHASES) + f"{'accept':>8}{'tok/s':>9}{'gen/no_spec':>13}{'step/no_spec':>14}"
-    print(header)
-    rows = []
-    for name, r in results.items():
-        gen_ratio, step_ratio = r["generate"] / base["generate"], r["step"] / base["step"]
-        print(f"{name:<20}" + "".join(f"{r[p]:>16.3f}" for p in PHASES)
-              + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{gen_ratio:>13.2f}{step_ratio:>14.2f}")
-        rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
-                     "tokens_per_s": r["tokens_per_s"], "reward": r["reward_mean"],
-                     "generate_ratio_vs_no_spec": gen_ratio, "step_ratio_vs_no_spec": step_ratio,
-                     "k_mean": r["k_mean"], "head_depths": r["head_depths"],
-                     "head_trained_share": r["head_trained_share"]})
-    # the headline pair: the product set-up (auto k when measured, else the fixed-k one) over no_spec
-    spec = next((n for n in ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling") if n in results),
-                None)
-    headline = {"spec_setup": spec,
-                "step_ratio_spec_over_nospec": results[spec]["step"] / base["step"] if spec else None,
-                "generate_ratio_spec_over_nospec": results[spec]["generate"] / base["generate"] if spec else None}
+    rows = setup_rows({name: summarize([row for run in rs for row in run], a.skip) for name, rs in runs.items()})
+    print_rows(rows)
     per_step = {name: [{p: step_times(run, a.skip, p) for p in (*PHASES, REFERENCE)} for run in rs]
                 for name, rs in runs.items()}
-    if spec:   # the same ratios per repeat (each pair of runs side by side), and their uncertainty
-        def series(name: str, p: str) -> list:
-            return [run[p] for run in per_step[name]]
-        headline["repeat_ratios"] = [
-            {"step": sum(s["step"]) / sum(b["step"]), "generate": sum(s["generate"]) / sum(b["generate"]),
-             **{f"{p}_speed_normalised": normalised_ratio([s[p]], [b[p]], [s[REFERENCE]], [b[REFERENCE]])
-                for p in ("step", "generate")}}
-            for s, b in zip(per_step[spec], per_step["no_spec"])]
-        for p in ("step", "generate"):
-            headline[f"{p}_ratio_ci95"] = list(ratio_ci95(series(spec, p), series("no_spec", p)))
-            headline[f"{p}_ratio_speed_normalised"] = normalised_ratio(
-                series(spec, p), series("no_spec", p), series(spec, REFERENCE), series("no_spec", REFERENCE))
-            headline[f"{p}_ratio_speed_normalised_ci95"] = list(ratio_ci95(
-                series(spec, p), series("no_spec", p), spec_ref=series(spec, REFERENCE),
-                base_ref=series("no_spec", REFERENCE)))
-        print(f"{spec} over no_spec: step {headline['step_ratio_spec_over_nospec']:.3f} "
-              f"(95% CI {headline['step_ratio_ci95'][0]:.3f}-{headline['step_ratio_ci95'][1]:.3f}), "
-              f"generate {headline['generate_ratio_spec_over_nospec']:.3f} "
-              f"(95% CI {headline['generate_ratio_ci95'][0]:.3f}-{headline['generate_ratio_ci95'][1]:.3f})")
-        print(f"  per second of {REFERENCE} (the run's speed divided out): step "
-              f"{headline['step_ratio_speed_normalised']:.3f} (95% CI "
-              f"{headline['step_ratio_speed_normalised_ci95'][0]:.3f}-{headline['step_ratio_speed_normalised_ci95'][1]:.3f}), "
-              f"generate {headline['generate_ratio_speed_normalised']:.3f} (95% CI "
-              f"{headline['generate_ratio_speed_normalised_ci95'][0]:.3f}-"
-              f"{headline['generate_ratio_speed_normalised_ci95'][1]:.3f})")
-        if a.repeats > 1:
-            print("  per repeat: " + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r.items())
-                                              for r in headline["repeat_ratios"]))
+    headline = headline_ratios(per_step)
+    print_headline(headline)
     if a.json:
         a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, "repeats": a.repeats, **headline,
                                       "rows": rows, "per_step": per_step}, indent=2))

@@ -87,3 +87,76 @@ def test_the_normalised_interval_needs_both_references_shaped_like_the_runs():
         step_time.ratio_ci95([[1.0]], [[1.0]], spec_ref=[[1.0]])
     with pytest.raises(ValueError, match="shaped like"):
         step_time.ratio_ci95([[1.0, 2.0]], [[1.0, 2.0]], spec_ref=[[1.0]], base_ref=[[1.0, 1.0]])
+
+
+def _doc(per_step_runs: dict, steps=4, skip=1):
+    """A step_time --json document from per-step times: {setup: [[step times of run 1], ...]}; every other
+    phase is a fixed share of the step, the reference work half of it."""
+    per_step = {s: [{"step": run, "generate": [0.5 * t for t in run], "reward": [0.1 * t for t in run],
+                     "old_logprobs": [0.1 * t for t in run], "train": [0.2 * t for t in run],
+                     "sync": [0.1 * t for t in run], "policy_work": [0.3 * t for t in run]} for run in runs]
+                for s, runs in per_step_runs.items()}
+    rows = [{"setup": s, **{f"{p}_s": sum(sum(r[p]) for r in runs) / sum(len(r[p]) for r in runs)
+                            for p in step_time.PHASES},
+             "acceptance": 0.5 if s != "no_spec" else 0.0, "tokens_per_s": 100.0, "reward": 0.3,
+             "k_mean": 1.0 if s != "no_spec" else None, "head_depths": None, "head_trained_share": None}
+            for s, runs in per_step.items()]
+    return {"steps": steps, "skip": skip, "rows": rows, "per_step": per_step}
+
+
+def test_pooling_two_invocations_reports_what_one_invocation_of_all_their_repeats_would():
+    a = {"spec_auto": [[1.2, 1.1, 1.3]], "no_spec": [[1.0, 1.0, 1.1]]}
+    b = {"spec_auto": [[0.9, 1.0, 1.0], [1.5, 1.4, 1.6]], "no_spec": [[1.0, 0.9, 1.0], [1.2, 1.2, 1.3]]}
+    both = {s: a[s] + b[s] for s in a}
+    pooled = step_time.pool_results([("a.json", _doc(a)), ("b.json", _doc(b))])
+    one = step_time.headline_ratios(_doc(both)["per_step"])
+    assert pooled["repeats"] == 3 and pooled["pooled_from"] == ["a.json", "b.json"]
+    for key in ("step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec", "step_ratio_ci95",
+                "step_ratio_speed_normalised", "step_ratio_speed_normalised_ci95", "repeat_ratios"):
+        assert pooled[key] == one[key], key   # the same times in the same order: the same bootstrap draws
+    spec_steps = [t for run in both["spec_auto"] for t in run]
+    assert pooled["step_ratio_spec_over_nospec"] == pytest.approx(
+        sum(spec_steps) / sum(t for run in both["no_spec"] for t in run))
+    # the rows are step-weighted means: b saw twice a's steps
+    row = next(r for r in pooled["rows"] if r["setup"] == "spec_auto")
+    assert row["step_s"] == pytest.approx(sum(spec_steps) / len(spec_steps))
+    assert row["k_mean"] == pytest.approx(1.0) and row["head_depths"] is None
+    assert row["step_ratio_vs_no_spec"] == pytest.approx(pooled["step_ratio_spec_over_nospec"])
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"steps": 20}, "b.json: steps=20 but a.json has steps=4"),
+    ({"skip": 2}, "b.json: skip=2 but a.json has skip=1"),
+])
+def test_pooling_refuses_runs_of_another_length(change, match):
+    runs = {"spec_auto": [[1.0, 1.0, 1.0]], "no_spec": [[1.0, 1.0, 1.0]]}
+    with pytest.raises(ValueError, match=match):
+        step_time.pool_results([("a.json", _doc(runs)), ("b.json", {**_doc(runs), **change})])
+
+
+def test_pooling_refuses_other_setups_and_files_that_are_not_step_time_output():
+    runs = {"spec_auto": [[1.0, 1.0]], "no_spec": [[1.0, 1.0]]}
+    other = {"spec_mtp_train": [[1.0, 1.0]], "no_spec": [[1.0, 1.0]]}
+    with pytest.raises(ValueError, match="b.json: set-ups"):
+        step_time.pool_results([("a.json", _doc(runs)), ("b.json", _doc(other))])
+    with pytest.raises(ValueError, match=r"c.json: not a step_time.py --json output \(no \['per_step', 'rows'\]\)"):
+        step_time.pool_results([("c.json", {"steps": 4, "skip": 1})])
+
+
+def test_the_pool_command_reads_files_and_writes_the_pooled_json(tmp_path, capsys):
+    import json
+
+    runs = {"spec_auto": [[1.1, 1.1, 1.1]], "no_spec": [[1.0, 1.0, 1.0]]}
+    files = []
+    for name in ("a.json", "b.json"):
+        files.append(tmp_path / name)
+        files[-1].write_text(json.dumps(_doc(runs)))
+    out = tmp_path / "pooled.json"
+    assert step_time.main(["--pool", *map(str, files), "--json", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    assert pooled["repeats"] == 2 and pooled["step_ratio_ci95"] == pytest.approx([1.1, 1.1])
+    assert "pooled 2 repeats of 4 steps from 2 file(s)" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit):
+        step_time.main(["--pool", str(tmp_path / "bad.json")])
+    assert "--pool" in capsys.readouterr().err
