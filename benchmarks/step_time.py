@@ -254,6 +254,12 @@ def pool_results(docs: list[tuple[str, dict]]) -> dict:
         if sorted(doc["per_step"]) != sorted(first["per_step"]):
             raise ValueError(f"--pool {name}: set-ups {sorted(doc['per_step'])} but {first_name} has "
                              f"{sorted(first['per_step'])}; pool invocations of the same --setups only")
+        if "no_spec" not in doc["per_step"]:
+            raise ValueError(f"--pool {name}: no no_spec runs (the baseline of every ratio)")
+        lacking = sorted({p for runs in doc["per_step"].values() for run in runs for p in (*PHASES, REFERENCE)
+                          if p not in run})
+        if lacking:
+            raise ValueError(f"--pool {name}: its per-step times lack {lacking} (written by an older step_time.py)")
     per_step = {s: [run for _, doc in docs for run in doc["per_step"][s]] for s in first["per_step"]}
     rows = []
     for setup in first["per_step"]:
@@ -293,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every set-up")
     a = ap.parse_args(argv)
     if a.pool:
+        run_flags = {"--steps": a.steps != ap.get_default("steps"), "--skip": a.skip != ap.get_default("skip"),
+                     "--repeats": a.repeats != ap.get_default("repeats"),
+                     "--setups": a.setups != ap.get_default("setups"), "--keep-runs": a.keep_runs is not None,
+                     "--quick": a.quick, "overrides": bool(a.overrides)}
+        given = [flag for flag, set_ in run_flags.items() if set_]
+        if given:
+            ap.error(f"--pool runs nothing, so {given} would be ignored; pool with --json OUT only "
+                     "(the files' own --steps, --skip and --setups apply)")
         docs = []
         for path in a.pool:
             try:

@@ -141,6 +141,13 @@ def test_pooling_refuses_other_setups_and_files_that_are_not_step_time_output():
         step_time.pool_results([("a.json", _doc(runs)), ("b.json", _doc(other))])
     with pytest.raises(ValueError, match=r"c.json: not a step_time.py --json output \(no \['per_step', 'rows'\]\)"):
         step_time.pool_results([("c.json", {"steps": 4, "skip": 1})])
+    old = _doc(runs)
+    for run in old["per_step"]["no_spec"]:
+        del run["policy_work"]
+    with pytest.raises(ValueError, match=r"d.json: its per-step times lack \['policy_work'\]"):
+        step_time.pool_results([("d.json", old)])
+    with pytest.raises(ValueError, match="e.json: no no_spec runs"):
+        step_time.pool_results([("e.json", _doc({"spec_auto": [[1.0, 1.0]]}))])
 
 
 def test_the_pool_command_reads_files_and_writes_the_pooled_json(tmp_path, capsys):
@@ -160,3 +167,7 @@ def test_the_pool_command_reads_files_and_writes_the_pooled_json(tmp_path, capsy
     with pytest.raises(SystemExit):
         step_time.main(["--pool", str(tmp_path / "bad.json")])
     assert "--pool" in capsys.readouterr().err
+    # flags that only a run uses are refused, not ignored
+    with pytest.raises(SystemExit):
+        step_time.main(["--steps", "30", "--repeats", "2", "--pool", *map(str, files)])
+    assert "--pool runs nothing, so ['--steps', '--repeats'] would be ignored" in capsys.readouterr().err
