@@ -162,18 +162,22 @@ HEADLINE_SETUPS = ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_co
 ROW_MEANS = ("acceptance", "tokens_per_s", "reward", "k_mean", "head_depths", "head_trained_share")
 
 
+def with_ratios_to_no_spec(rows: list[dict]) -> list[dict]:
+    """Add each row's generate and step ratios to the no_spec row's (in place; returns the rows)."""
+    base = next(r for r in rows if r["setup"] == "no_spec")
+    for r in rows:
+        r["generate_ratio_vs_no_spec"] = r["generate_s"] / base["generate_s"]
+        r["step_ratio_vs_no_spec"] = r["step_s"] / base["step_s"]
+    return rows
+
+
 def setup_rows(results: dict[str, dict]) -> list[dict]:
     """One JSON row per set-up (`summarize` output), with its ratios to no_spec."""
-    base = results["no_spec"]
-    rows = []
-    for name, r in results.items():
-        rows.append({"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
-                     "tokens_per_s": r["tokens_per_s"], "reward": r["reward_mean"],
-                     "generate_ratio_vs_no_spec": r["generate"] / base["generate"],
-                     "step_ratio_vs_no_spec": r["step"] / base["step"],
-                     "k_mean": r["k_mean"], "head_depths": r["head_depths"],
-                     "head_trained_share": r["head_trained_share"]})
-    return rows
+    return with_ratios_to_no_spec([
+        {"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
+         "tokens_per_s": r["tokens_per_s"], "reward": r["reward_mean"], "k_mean": r["k_mean"],
+         "head_depths": r["head_depths"], "head_trained_share": r["head_trained_share"]}
+        for name, r in results.items()])
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -273,12 +277,9 @@ def pool_results(docs: list[tuple[str, dict]]) -> dict:
             vals = [(r.get(key), w) for r, w in parts]
             row[key] = None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals) / n
         rows.append(row)
-    base = next(r for r in rows if r["setup"] == "no_spec")
-    for r in rows:
-        r["generate_ratio_vs_no_spec"] = r["generate_s"] / base["generate_s"]
-        r["step_ratio_vs_no_spec"] = r["step_s"] / base["step_s"]
     return {"steps": first["steps"], "skip": first["skip"], "repeats": len(per_step["no_spec"]),
-            "pooled_from": [name for name, _ in docs], **headline_ratios(per_step), "rows": rows,
+            "pooled_from": [name for name, _ in docs], **headline_ratios(per_step),
+            "rows": with_ratios_to_no_spec(rows),
             "per_step": per_step}
 
 
