@@ -130,6 +130,9 @@ class AcceptanceEstimate:
                 if self.attempts[i] + self.prior_weight > 0 else self.prior_rate for i in range(self.k_max)]
 
 
+FOLD_EVERY = 64   # OnlineLinearFit folds its queued samples at least this often (a fit nobody reads stays small)
+
+
 class OnlineLinearFit:
     """Exponentially weighted least squares y ~ w . x, solved on demand (small ridge for stability), with the
     uncertainty of its predictions: the residual variance (weighted residual sum of squares over the
@@ -137,8 +140,9 @@ class OnlineLinearFit:
 
     def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4, resolve_share: float = 0.05):
         self.dim, self.decay, self.ridge, self.resolve_share = dim, decay, ridge, resolve_share
-        self.xtx = np.zeros((dim, dim))
-        self.xty = np.zeros(dim)
+        self._xtx = np.zeros((dim, dim))
+        self._xty = np.zeros(dim)
+        self._pending: list[tuple[tuple[float, ...], float]] = []   # samples not yet in _xtx / _xty (_fold)
         self.yty = 0.0
         self.weight = 0.0      # decayed number of samples
         self.fresh = 0.0       # decayed number of samples added since the last solve
@@ -146,11 +150,10 @@ class OnlineLinearFit:
         self._solve_count = 0
 
     def add(self, x: list[float], y: float) -> None:
-        v = np.asarray(x, dtype=np.float64)
-        self.xtx *= self.decay
-        self.xtx += np.outer(v, v)
-        self.xty *= self.decay
-        self.xty += v * y
+        """One sample; the engine adds one per step, so it only queues it for the Gram matrix (_fold)."""
+        self._pending.append((tuple(x), y))
+        if len(self._pending) >= FOLD_EVERY:
+            self._fold()
         self.yty = self.yty * self.decay + y * y
         self.weight = self.weight * self.decay + 1.0
         self.fresh = self.fresh * self.decay + 1.0
@@ -158,6 +161,19 @@ class OnlineLinearFit:
             # solved again once the samples added since carry `resolve_share` of the fit's weight: every
             # sample while the fit is young, every ~10 once it is steady (the engine adds one per step)
             self._solved = None
+
+    def _fold(self) -> None:
+        """Adds the queued samples to the weighted Gram matrix (_xtx, _xty) in one pass, each decayed as if
+        added one at a time."""
+        if not self._pending:
+            return
+        n = len(self._pending)
+        xs = np.asarray([x for x, _ in self._pending], dtype=np.float64)
+        ys = np.asarray([y for _, y in self._pending], dtype=np.float64)
+        xw = xs * (self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64))[:, None]
+        self._xtx = self._xtx * self.decay ** n + xw.T @ xs
+        self._xty = self._xty * self.decay ** n + xw.T @ ys
+        self._pending.clear()
 
     def _solution(self) -> _Solution:
         if self._solved is None:
@@ -174,17 +190,18 @@ class OnlineLinearFit:
     def _solve(self) -> _Solution:
         """Solved over the features some sample has used (the others get weight 0 and unknown variance);
         the ridge, relative to each diagonal entry, keeps that system positive definite."""
-        diag = np.diag(self.xtx)
+        self._fold()
+        diag = np.diag(self._xtx)
         seen = diag > 0
         w = np.zeros(self.dim)
         inverse = np.zeros((0, 0))
         if seen.any():
             idx = np.ix_(seen, seen)
-            inverse = np.linalg.inv(self.xtx[idx] + np.diag(self.ridge * diag[seen]))
-            w[seen] = inverse @ self.xty[seen]
+            inverse = np.linalg.inv(self._xtx[idx] + np.diag(self.ridge * diag[seen]))
+            w[seen] = inverse @ self._xty[seen]
         variance = math.inf
         if self.weight > self.dim:
-            rss = self.yty - 2.0 * float(w @ self.xty) + float(w @ self.xtx @ w)
+            rss = self.yty - 2.0 * float(w @ self._xty) + float(w @ self._xtx @ w)
             variance = max(rss, 0.0) / (self.weight - self.dim)
         return _Solution(w.tolist(), inverse, seen.tolist(), variance)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from skyrl_mtp.rollout.adaptive_speculation import (
+    FOLD_EVERY,
     AcceptanceEstimate,
     AdaptiveSpeculationError,
     CostModel,
@@ -128,6 +130,25 @@ def test_online_linear_fit_recovers_a_line_and_forgets():
     for n in range(1, 200):
         fit.add([1.0, float(n % 40 + 1)], 0.010 + 0.0002 * (n % 40 + 1))
     assert fit.weights()[0] == pytest.approx(0.010, rel=3e-2)
+
+
+def test_queued_samples_fold_into_the_same_fit_as_samples_added_one_at_a_time():
+    rng = random.Random(3)
+    samples = [([1.0, float(rng.randint(1, 64)), float(rng.random() < 0.3)], rng.uniform(0.003, 0.02))
+               for _ in range(3 * FOLD_EVERY + 7)]   # folds at FOLD_EVERY, then a remainder at solve time
+    xtx, xty, decay = np.zeros((3, 3)), np.zeros(3), 0.99
+    fit = OnlineLinearFit(3, decay=decay, resolve_share=0.0)   # solved again whenever read
+    for i, (x, y) in enumerate(samples):
+        fit.add(x, y)
+        xtx = xtx * decay + np.outer(x, x)
+        xty = xty * decay + np.asarray(x) * y
+        if i in (10, FOLD_EVERY - 1, 2 * FOLD_EVERY + 5):   # reading the fit folds what is queued
+            fit.solves()
+    x[0] = 5.0   # the caller's list changing after add does not reach the fit
+    ridge = np.diag(fit.ridge * np.diag(xtx))
+    want = np.linalg.solve(xtx + ridge, xty)
+    assert fit.weights() == pytest.approx(want.tolist(), rel=1e-9)
+    assert np.allclose(fit._xtx, xtx, rtol=1e-12) and np.allclose(fit._xty, xty, rtol=1e-12)
 
 
 def test_online_linear_fit_measures_its_noise_and_how_sure_a_difference_is():
