@@ -260,6 +260,9 @@ def pool_results(docs: list[tuple[str, dict]]) -> dict:
                              f"{sorted(first['per_step'])}; pool invocations of the same --setups only")
         if "no_spec" not in doc["per_step"]:
             raise ValueError(f"--pool {name}: no no_spec runs (the baseline of every ratio)")
+        rowless = sorted(set(doc["per_step"]) - {r.get("setup") for r in doc["rows"]})
+        if rowless:
+            raise ValueError(f"--pool {name}: no row for set-ups {rowless} (its rows and per-step times disagree)")
         lacking = sorted({p for runs in doc["per_step"].values() for run in runs for p in (*PHASES, REFERENCE)
                           if p not in run})
         if lacking:

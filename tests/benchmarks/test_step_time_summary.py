@@ -148,6 +148,10 @@ def test_pooling_refuses_other_setups_and_files_that_are_not_step_time_output():
         step_time.pool_results([("d.json", old)])
     with pytest.raises(ValueError, match="e.json: no no_spec runs"):
         step_time.pool_results([("e.json", _doc({"spec_auto": [[1.0, 1.0]]}))])
+    rowless = _doc(runs)
+    rowless["rows"] = [r for r in rowless["rows"] if r["setup"] != "spec_auto"]
+    with pytest.raises(ValueError, match=r"f.json: no row for set-ups \['spec_auto'\]"):
+        step_time.pool_results([("f.json", rowless)])
 
 
 def test_the_pool_command_reads_files_and_writes_the_pooled_json(tmp_path, capsys):
