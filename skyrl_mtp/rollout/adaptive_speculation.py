@@ -99,15 +99,21 @@ class AcceptanceEstimate:
         """One verify step: per request, drafts scheduled and drafts accepted (a prefix)."""
         if not any(num_drafts):
             return
-        att = [0.0] * self.k_max
-        acc = [0.0] * self.k_max
+        # per request: positions reached (all earlier drafts accepted) and accepted; position i was attempted
+        # by the requests that reached more than i positions and accepted by those that accepted more than i
+        reached = [0] * (self.k_max + 1)
+        kept = [0] * (self.k_max + 1)
         for d, a in zip(num_drafts, num_accepted):
             d = min(int(d), self.k_max)
             a = max(0, min(int(a), d))
-            for i in range(min(a + 1, d)):    # positions reached: all earlier drafts accepted
-                att[i] += 1.0
-                if i < a:
-                    acc[i] += 1.0
+            reached[min(a + 1, d)] += 1
+            kept[a] += 1
+        att, acc = [0.0] * self.k_max, [0.0] * self.k_max
+        more_reached = more_kept = 0
+        for i in range(self.k_max - 1, -1, -1):
+            more_reached += reached[i + 1]
+            more_kept += kept[i + 1]
+            att[i], acc[i] = float(more_reached), float(more_kept)
         self.version += 1
         for i in range(self.k_max):
             if att[i]:   # decay only positions that get new evidence: unprobed positions keep their estimate
@@ -228,22 +234,87 @@ class OnlineLinearFit:
         ds = np.asarray([di for di, s in zip(d, sol.seen) if s])
         return math.sqrt(max(float(ds @ sol.inverse @ ds), 0.0) * sol.variance)
 
-    def predict_table(self, xs: list[list[float]]) -> tuple[list[float], list[list[float]]]:
-        """predict(x) for each row of `xs`, and difference_sd(xs[i], xs[j]) for every pair, in one pass (the
-        policy needs all of them for each batch size it meets)."""
-        sol = self._solution()
-        x = np.asarray(xs, dtype=np.float64)
-        preds = (x @ np.asarray(sol.weights)).tolist()
-        d = x[:, None, :] - x[None, :, :]
-        moved = (d != 0).any(axis=-1)
-        if math.isinf(sol.variance):
-            return preds, np.where(moved, math.inf, 0.0).tolist()
-        seen = np.asarray(sol.seen)
-        ds = d[..., seen]
-        q = np.einsum("ijs,st,ijt->ij", ds, sol.inverse, ds) if ds.shape[-1] else np.zeros(moved.shape)
-        sd = np.sqrt(np.maximum(q, 0.0) * sol.variance)
-        unexplored = (d[..., ~seen] != 0).any(axis=-1)
-        return preds, np.where(unexplored, math.inf, np.where(moved, sd, 0.0)).tolist()
+    def line_table(self, ps: list[list[float]], qs: list[list[float]]) -> LineTable:
+        """predict and difference_sd for the rows x_i(b) = ps[i] + b * qs[i], as functions of b, from the
+        current solve (LineTable)."""
+        return LineTable(self._solution(), ps, qs)
+
+
+class LineTable:
+    """Predictions and their pairwise standard errors for rows x_i(b) = p_i + b q_i, from one solve of an
+    OnlineLinearFit, evaluated at any b in a few float operations per pair.
+
+    The cost model reads a step's cost at every k for each batch size a rollout's tail passes through (a
+    new size every step or two), on the engine core's critical path. Each step's features are affine in the
+    batch size, so w . x_i(b) = w . p_i + b w . q_i, and a difference's quadratic form d' A^-1 d, with
+    d = dp + b dq, is dp'A^-1 dp + 2b dp'A^-1 dq + b^2 dq'A^-1 dq: the numpy work is done once per solve,
+    and `at(b)` gives exactly what predict / difference_sd give at x_i(b)."""
+
+    def __init__(self, sol: _Solution, ps: list[list[float]], qs: list[list[float]]):
+        w = np.asarray(sol.weights, dtype=np.float64)
+        p, q = np.asarray(ps, dtype=np.float64), np.asarray(qs, dtype=np.float64)
+        self.n, self.variance = len(ps), sol.variance
+        self._a, self._c = (p @ w).tolist(), (q @ w).tolist()
+        dp, dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
+        seen = np.asarray(sol.seen, dtype=bool)
+        pp = pq = qq = np.zeros((self.n, self.n))
+        if seen.any() and not math.isinf(sol.variance):
+            ds_p, ds_q = dp[..., seen], dq[..., seen]
+            ip, iq = ds_p @ sol.inverse, ds_q @ sol.inverse
+            pp, pq, qq = (ip * ds_p).sum(-1), (ip * ds_q).sum(-1), (iq * ds_q).sum(-1)
+        self._pairs = [list(zip(*cols)) for cols in zip(pp.tolist(), pq.tolist(), qq.tolist(),
+                                                         *_pair_zero_sets(ps, qs, tuple(sol.seen)))]
+
+    def at(self, b: float) -> tuple[list[float], list[list[float]]]:
+        """predict(x_i(b)) for each row, and difference_sd(x_i(b), x_j(b)) for every pair."""
+        preds = [a + b * c for a, c in zip(self._a, self._c)]
+        var, inf = self.variance, math.inf
+        sds = [[0.0] * self.n for _ in range(self.n)]
+        for i in range(self.n):
+            row = self._pairs[i]
+            for j in range(i + 1, self.n):
+                pp, pq, qq, same, same_at, explored, explored_at = row[j]
+                if same or same_at == b:
+                    sd = 0.0
+                elif math.isinf(var) or not (explored or explored_at == b):
+                    sd = inf
+                else:
+                    sd = math.sqrt(max(pp + 2.0 * b * pq + b * b * qq, 0.0) * var)
+                sds[i][j] = sds[j][i] = sd
+        return preds, sds
+
+
+_ZERO_SETS: dict[tuple, tuple] = {}
+
+
+def _pair_zero_sets(ps: list[list[float]], qs: list[list[float]], seen: tuple[bool, ...]) -> tuple:
+    """_zero_sets of the rows' pairwise differences, all features and the unseen ones: they depend on the
+    rows and on which features the fit has seen, not on its solve (memoised: the cost model's rows are fixed)."""
+    key = (tuple(map(tuple, ps)), tuple(map(tuple, qs)), seen)
+    got = _ZERO_SETS.get(key)
+    if got is None:
+        if len(_ZERO_SETS) > 64:
+            _ZERO_SETS.clear()
+        p, q = np.asarray(ps, dtype=np.float64), np.asarray(qs, dtype=np.float64)
+        dp, dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
+        unseen = ~np.asarray(seen, dtype=bool)
+        got = _ZERO_SETS[key] = (*_zero_sets(dp, dq), *_zero_sets(dp[..., unseen], dq[..., unseen]))
+    return got
+
+
+def _zero_sets(dp: Any, dq: Any) -> tuple[list[list[bool]], list[list[float]]]:
+    """For each pair (i, j), where the vector dp[i, j] + b dq[i, j] is zero: always (first list True), or at
+    one b only (second list: that b), or nowhere (False, NaN)."""
+    n = dp.shape[0]
+    if not dp.shape[-1]:
+        return [[True] * n for _ in range(n)], [[math.nan] * n for _ in range(n)]
+    moves = dq.any(-1)
+    always = ~moves & ~dp.any(-1)
+    m = np.argmax(dq != 0, axis=-1)[..., None]
+    lead_q = np.take_along_axis(dq, m, -1)[..., 0]
+    b0 = -np.take_along_axis(dp, m, -1)[..., 0] / np.where(moves, lead_q, 1.0)
+    hit = moves & ~(dp + b0[..., None] * dq).any(-1)
+    return always.tolist(), np.where(hit, b0, np.nan).tolist()
 
 
 @dataclass
@@ -279,6 +350,7 @@ class CostModel:
     seen_k: dict[int, set[int]] = field(default_factory=dict)
     stall_ratio: float = 1.5
     _tables: dict[tuple, _CostTable] = field(default_factory=dict, repr=False)
+    _line_tables: dict[tuple, LineTable] = field(default_factory=dict, repr=False)
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
         """A steady step: it verified drafts proposed at the same k it now drafts (the previous step's k
@@ -310,22 +382,35 @@ class CostModel:
         return fit, fit.solves()
 
     def table(self, batch: int) -> _CostTable:
-        """Every prediction the policy reads for this batch size, computed together once per solve of the
-        fit: the policy asks every step (with the acceptance moving each drafting step), and a rollout's
-        draining tail meets a new batch size every few steps."""
+        """Every prediction the policy reads for this batch size, read off the fit's LineTable (built once per
+        solve) and kept until the fit is solved again: the policy asks every step (with the acceptance moving
+        each drafting step), and a rollout's draining tail meets a new batch size every step or two."""
         fit = self._fit(batch)
         key = (id(fit), fit.solves(), batch)
         table = self._tables.get(key)
         if table is None:
             if len(self._tables) > 64:
                 self._tables.clear()
-            table = self._tables[key] = self._compute_table(fit, batch)
+            table = self._tables[key] = self._compute_table(self._lines(fit, key[1]), batch)
         return table
 
-    def _compute_table(self, fit: OnlineLinearFit, batch: int) -> _CostTable:
+    def _lines(self, fit: OnlineLinearFit, solves: int) -> LineTable:
+        """The fit's predictions per k (and a zero row) as functions of the batch size, for this solve."""
+        key = (id(fit), solves)
+        lines = self._line_tables.get(key)
+        if lines is None:
+            if len(self._line_tables) > 16:
+                self._line_tables.clear()
+            ks = range(self.k_max + 1)
+            ps = [step_features(0, 0, k) for k in ks] + [[0.0] * fit.dim]
+            qs = [[f1 - f0 for f1, f0 in zip(step_features(1 + k, 1, k), p)] for k, p in zip(ks, ps)]
+            lines = self._line_tables[key] = fit.line_table(ps, qs + [[0.0] * fit.dim])
+        return lines
+
+    def _compute_table(self, lines: LineTable, batch: int) -> _CostTable:
         ks = range(self.k_max + 1)
         # the last row, all zeros: difference_sd against it is the prediction's own standard error
-        preds, sds = fit.predict_table([step_features(batch * (1 + k), batch, k) for k in ks] + [[0.0] * fit.dim])
+        preds, sds = lines.at(float(batch))
         seconds = [max(preds[k], 1e-6) for k in ks]
         step_sd = [sds[k][-1] for k in ks]
         weights = ([1.0] * len(seconds) if any(math.isinf(v) or v <= 0 for v in step_sd)

@@ -22,6 +22,7 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     install,
     isotonic,
     regret_seconds,
+    step_features,
     step_savings,
 )
 
@@ -39,6 +40,27 @@ def test_acceptance_is_conditional_per_position():
     # position 1 reached by all 5 (accepted by 4); position 2 reached by 3 of the k=3 requests with pos 1
     # accepted (accepted 2 of them); position 3 reached by 2 (accepted by 1)
     assert est.rates() == pytest.approx([4 / 5, 2 / 3, 1 / 2])
+
+
+def test_acceptance_counts_equal_a_position_by_position_count():
+    """observe counts positions reached and accepted from per-request histograms; the same as walking each
+    request's drafts position by position, for mixed draft lengths and out-of-range inputs (clipped)."""
+    rng = random.Random(7)
+    for _ in range(50):
+        k_max = rng.randint(1, 5)
+        drafts = [rng.randint(0, k_max + 1) for _ in range(rng.randint(1, 40))]
+        accepted = [rng.randint(-1, d + 1) for d in drafts]
+        est = AcceptanceEstimate(k_max=k_max, decay=1.0, prior_weight=0.0)
+        est.observe(drafts, accepted)
+        att, acc = [0.0] * k_max, [0.0] * k_max
+        for d, a in zip(drafts, accepted):
+            d = min(d, k_max)
+            a = max(0, min(a, d))
+            for i in range(min(a + 1, d)):
+                att[i] += 1.0
+                acc[i] += float(i < a)
+        if any(drafts):
+            assert est.attempts == att and est.accepts == acc
 
 
 def test_acceptance_follows_a_changing_head_and_keeps_unprobed_positions():
@@ -173,9 +195,15 @@ def test_online_linear_fit_measures_its_noise_and_how_sure_a_difference_is():
     assert never.predict([1.0, 1.0]) == pytest.approx(0.0105, rel=1e-3)  # the rest of the fit still predicts
 
 
-def test_the_table_of_predictions_equals_the_one_at_a_time_answers():
+def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
+    """LineTable gives predict / difference_sd of rows p + b q in closed form in b: the same numbers as
+    asking the fit about each row at that b, including rows that coincide at one b only, and directions no
+    sample explored (infinite), for a fit without variance yet, one with an unexplored feature, and a full one."""
     rng = random.Random(1)
-    rows = [[1.0, 3.0, 1.0, 0.0], [1.0, 3.0, 0.0, 0.0], [1.0, 5.0, 1.0, 0.0], [1.0, 5.0, 1.0, 2.0], [0.0] * 4]
+    ps = [[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 2.0, 1.0, 0.0], [1.0, 0.0, 1.0, 2.0], [0.0] * 4,
+          [1.0, -3.0, 1.0, 0.0]]
+    qs = [[0.0, 3.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0], [0.0, 5.0, 0.0, 0.0], [0.0, 5.0, 0.0, 1.0], [0.0] * 4,
+          [0.0, 4.0, 0.0, 0.0]]                           # the last row meets the first at b = 3
     young, partial, full = OnlineLinearFit(4), OnlineLinearFit(4), OnlineLinearFit(4)
     young.add([1.0, 2.0, 1.0, 0.0], 0.02)                # fewer samples than parameters: no variance yet
     for n in range(60):
@@ -184,14 +212,38 @@ def test_the_table_of_predictions_equals_the_one_at_a_time_answers():
         full.add(x, y)
         partial.add(x[:3] + [0.0], y)                    # the last feature never explored
     for fit in (young, partial, full):
-        preds, sds = fit.predict_table(rows)
-        assert preds == pytest.approx([fit.predict(r) for r in rows], rel=1e-12, abs=1e-15)
-        for i, a in enumerate(rows):
-            for j, b in enumerate(rows):
-                want = fit.difference_sd(a, b)
-                assert (math.isinf(sds[i][j]) and math.isinf(want)) or sds[i][j] == pytest.approx(want, rel=1e-9), \
-                    (i, j, sds[i][j], want)
-    assert math.isinf(partial.predict_table(rows)[1][3][2]) and not math.isinf(partial.predict_table(rows)[1][0][2])
+        lines = fit.line_table(ps, qs)
+        for b in (1.0, 2.0, 3.0, 7.0, 64.0, 127.0):
+            rows = [[pi + b * qi for pi, qi in zip(p, q)] for p, q in zip(ps, qs)]
+            preds, sds = lines.at(b)
+            assert preds == pytest.approx([fit.predict(r) for r in rows], rel=1e-12, abs=1e-15)
+            for i, a in enumerate(rows):
+                for j, c in enumerate(rows):
+                    want = fit.difference_sd(a, c)
+                    assert (math.isinf(sds[i][j]) and math.isinf(want)) or sds[i][j] == pytest.approx(want, rel=1e-9), \
+                        (b, i, j, sds[i][j], want)
+    assert full.line_table(ps, qs).at(3.0)[1][0][5] == 0.0 < full.line_table(ps, qs).at(2.0)[1][0][5]
+    assert math.isinf(partial.line_table(ps, qs).at(2.0)[1][3][2])
+    assert not math.isinf(partial.line_table(ps, qs).at(2.0)[1][0][2])
+
+
+def test_the_cost_tables_equal_the_fits_own_answers_at_each_batch():
+    """The cost model's per-batch table (built from the fit's LineTable) holds what the fit predicts for
+    step_features at that batch: the features are affine in the batch size, which the closed form relies on."""
+    rng = random.Random(3)
+    cost = CostModel(3)
+    for _ in range(400):
+        batch, k = rng.randint(1, 127), rng.randint(0, 3)
+        cost.observe(batch * (1 + k), batch, k, 0.002 + 0.0001 * batch * (1 + k) + 0.003 * (k > 0)
+                     + 0.0005 * rng.random())
+    for batch in (1, 2, 5, 16, 40, 64, 100, 127):
+        fit = cost._fit(batch)
+        xs = [step_features(batch * (1 + k), batch, k) for k in range(4)]
+        for k in range(4):
+            assert cost.step_seconds(batch, k) == pytest.approx(max(fit.predict(xs[k]), 1e-6), rel=1e-9)
+            assert cost.step_sd(batch, k) == pytest.approx(fit.difference_sd(xs[k], [0.0] * 6), rel=1e-9)
+            for j in range(4):
+                assert cost.difference_sd(batch, k, j) == pytest.approx(fit.difference_sd(xs[k], xs[j]), rel=1e-9)
 
 
 def test_one_slow_step_in_a_thin_fit_does_not_make_drafts_look_free():
