@@ -234,10 +234,31 @@ class OnlineLinearFit:
         ds = np.asarray([di for di, s in zip(d, sol.seen) if s])
         return math.sqrt(max(float(ds @ sol.inverse @ ds), 0.0) * sol.variance)
 
-    def line_table(self, ps: list[list[float]], qs: list[list[float]]) -> LineTable:
-        """predict and difference_sd for the rows x_i(b) = ps[i] + b * qs[i], as functions of b, from the
-        current solve (LineTable)."""
-        return LineTable(self._solution(), ps, qs)
+    def line_table(self, rows: LineRows) -> LineTable:
+        """predict and difference_sd for the rows x_i(b) = p_i + b q_i, as functions of b, from the current
+        solve (LineTable)."""
+        return LineTable(self._solution(), rows)
+
+
+class LineRows:
+    """Rows x_i(b) = p_i + b q_i that a cost model asks each of its fits about: their pairwise differences
+    and where each difference vanishes, computed once (they do not depend on any fit's solve)."""
+
+    def __init__(self, ps: list[list[float]], qs: list[list[float]]):
+        p, q = np.asarray(ps, dtype=np.float64), np.asarray(qs, dtype=np.float64)
+        self.n = len(ps)
+        self.p, self.q = p, q
+        self.dp, self.dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
+        self.same = _zero_sets(self.dp, self.dq)
+        self._explored: dict[tuple[bool, ...], tuple] = {}
+
+    def explored(self, seen: tuple[bool, ...]) -> tuple:
+        """_zero_sets over the features a fit has not seen: where a difference leaves them all at zero."""
+        got = self._explored.get(seen)
+        if got is None:
+            unseen = ~np.asarray(seen, dtype=bool)
+            got = self._explored[seen] = _zero_sets(self.dp[..., unseen], self.dq[..., unseen])
+        return got
 
 
 class LineTable:
@@ -250,20 +271,18 @@ class LineTable:
     d = dp + b dq, is dp'A^-1 dp + 2b dp'A^-1 dq + b^2 dq'A^-1 dq: the numpy work is done once per solve,
     and `at(b)` gives exactly what predict / difference_sd give at x_i(b)."""
 
-    def __init__(self, sol: _Solution, ps: list[list[float]], qs: list[list[float]]):
+    def __init__(self, sol: _Solution, rows: LineRows):
         w = np.asarray(sol.weights, dtype=np.float64)
-        p, q = np.asarray(ps, dtype=np.float64), np.asarray(qs, dtype=np.float64)
-        self.n, self.variance = len(ps), sol.variance
-        self._a, self._c = (p @ w).tolist(), (q @ w).tolist()
-        dp, dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
+        self.n, self.variance = rows.n, sol.variance
+        self._a, self._c = (rows.p @ w).tolist(), (rows.q @ w).tolist()
         seen = np.asarray(sol.seen, dtype=bool)
         pp = pq = qq = np.zeros((self.n, self.n))
         if seen.any() and not math.isinf(sol.variance):
-            ds_p, ds_q = dp[..., seen], dq[..., seen]
+            ds_p, ds_q = rows.dp[..., seen], rows.dq[..., seen]
             ip, iq = ds_p @ sol.inverse, ds_q @ sol.inverse
             pp, pq, qq = (ip * ds_p).sum(-1), (ip * ds_q).sum(-1), (iq * ds_q).sum(-1)
-        self._pairs = [list(zip(*cols)) for cols in zip(pp.tolist(), pq.tolist(), qq.tolist(),
-                                                         *_pair_zero_sets(ps, qs, tuple(sol.seen)))]
+        self._pairs = [list(zip(*cols)) for cols in zip(pp.tolist(), pq.tolist(), qq.tolist(), *rows.same,
+                                                         *rows.explored(tuple(sol.seen)))]
 
     def at(self, b: float) -> tuple[list[float], list[list[float]]]:
         """predict(x_i(b)) for each row, and difference_sd(x_i(b), x_j(b)) for every pair."""
@@ -282,24 +301,6 @@ class LineTable:
                     sd = math.sqrt(max(pp + 2.0 * b * pq + b * b * qq, 0.0) * var)
                 sds[i][j] = sds[j][i] = sd
         return preds, sds
-
-
-_ZERO_SETS: dict[tuple, tuple] = {}
-
-
-def _pair_zero_sets(ps: list[list[float]], qs: list[list[float]], seen: tuple[bool, ...]) -> tuple:
-    """_zero_sets of the rows' pairwise differences, all features and the unseen ones: they depend on the
-    rows and on which features the fit has seen, not on its solve (memoised: the cost model's rows are fixed)."""
-    key = (tuple(map(tuple, ps)), tuple(map(tuple, qs)), seen)
-    got = _ZERO_SETS.get(key)
-    if got is None:
-        if len(_ZERO_SETS) > 64:
-            _ZERO_SETS.clear()
-        p, q = np.asarray(ps, dtype=np.float64), np.asarray(qs, dtype=np.float64)
-        dp, dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
-        unseen = ~np.asarray(seen, dtype=bool)
-        got = _ZERO_SETS[key] = (*_zero_sets(dp, dq), *_zero_sets(dp[..., unseen], dq[..., unseen]))
-    return got
 
 
 def _zero_sets(dp: Any, dq: Any) -> tuple[list[list[bool]], list[list[float]]]:
@@ -351,6 +352,7 @@ class CostModel:
     stall_ratio: float = 1.5
     _tables: dict[tuple, _CostTable] = field(default_factory=dict, repr=False)
     _line_tables: dict[tuple, LineTable] = field(default_factory=dict, repr=False)
+    _rows: LineRows | None = field(default=None, repr=False)
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
         """A steady step: it verified drafts proposed at the same k it now drafts (the previous step's k
@@ -401,10 +403,12 @@ class CostModel:
         if lines is None:
             if len(self._line_tables) > 16:
                 self._line_tables.clear()
-            ks = range(self.k_max + 1)
-            ps = [step_features(0, 0, k) for k in ks] + [[0.0] * fit.dim]
-            qs = [[f1 - f0 for f1, f0 in zip(step_features(1 + k, 1, k), p)] for k, p in zip(ks, ps)]
-            lines = self._line_tables[key] = fit.line_table(ps, qs + [[0.0] * fit.dim])
+            if self._rows is None:   # each k's step features at batch b are p_k + b q_k, and a zero row
+                ks = range(self.k_max + 1)
+                ps = [step_features(0, 0, k) for k in ks]
+                qs = [[f1 - f0 for f1, f0 in zip(step_features(1 + k, 1, k), p)] for k, p in zip(ks, ps)]
+                self._rows = LineRows(ps + [[0.0] * fit.dim], qs + [[0.0] * fit.dim])
+            lines = self._line_tables[key] = fit.line_table(self._rows)
         return lines
 
     def _compute_table(self, lines: LineTable, batch: int) -> _CostTable:

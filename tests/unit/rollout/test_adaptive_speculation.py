@@ -13,6 +13,7 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     AcceptanceEstimate,
     AdaptiveSpeculationError,
     CostModel,
+    LineRows,
     OnlineLinearFit,
     SpeculationPolicy,
     best_k,
@@ -212,7 +213,7 @@ def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
         full.add(x, y)
         partial.add(x[:3] + [0.0], y)                    # the last feature never explored
     for fit in (young, partial, full):
-        lines = fit.line_table(ps, qs)
+        lines = fit.line_table(LineRows(ps, qs))
         for b in (1.0, 2.0, 3.0, 7.0, 64.0, 127.0):
             rows = [[pi + b * qi for pi, qi in zip(p, q)] for p, q in zip(ps, qs)]
             preds, sds = lines.at(b)
@@ -222,9 +223,9 @@ def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
                     want = fit.difference_sd(a, c)
                     assert (math.isinf(sds[i][j]) and math.isinf(want)) or sds[i][j] == pytest.approx(want, rel=1e-9), \
                         (b, i, j, sds[i][j], want)
-    assert full.line_table(ps, qs).at(3.0)[1][0][5] == 0.0 < full.line_table(ps, qs).at(2.0)[1][0][5]
-    assert math.isinf(partial.line_table(ps, qs).at(2.0)[1][3][2])
-    assert not math.isinf(partial.line_table(ps, qs).at(2.0)[1][0][2])
+    assert full.line_table(LineRows(ps, qs)).at(3.0)[1][0][5] == 0.0 < full.line_table(LineRows(ps, qs)).at(2.0)[1][0][5]
+    assert math.isinf(partial.line_table(LineRows(ps, qs)).at(2.0)[1][3][2])
+    assert not math.isinf(partial.line_table(LineRows(ps, qs)).at(2.0)[1][0][2])
 
 
 def test_the_cost_tables_equal_the_fits_own_answers_at_each_batch():
