@@ -71,17 +71,26 @@ _HASH_MOD = 1 << 20
 def draft_positions(loss_mask: torch.Tensor, depth: int, segment_ids, input_ids: torch.Tensor,
                     position_fraction: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) of the positions whose depth-``depth`` draft is trained: the draft mask, thinned to
-    ``position_fraction`` of them by a deterministic hash (identical on every rank holding the batch)."""
+    ``position_fraction`` of them (position_subset)."""
     from .masks import draft_position_mask
 
     mask = draft_position_mask(loss_mask, depth, segment_ids)
     if position_fraction < 1.0:
-        b, s = mask.shape
-        salt = int(input_ids.long().sum()) % _HASH_MOD
-        pos = torch.arange(s, device=mask.device).unsqueeze(0) + s * torch.arange(b, device=mask.device).unsqueeze(1)
-        h = (pos * 2654435761 + depth * 40503 + salt * 97) % _HASH_MOD
-        mask = mask & (h < int(position_fraction * _HASH_MOD))
+        mask = mask & position_subset(input_ids, depth, position_fraction)
     return mask.nonzero(as_tuple=True)
+
+
+def position_subset(input_ids: torch.Tensor, depth: int, position_fraction: float) -> torch.Tensor:
+    """Bool [B, S]: a deterministic ``position_fraction`` of each row's positions, keyed on the row's own
+    tokens, the position and the depth. A row keeps the same positions whichever micro-batch or rank holds
+    it, so the normaliser counted over the whole batch (draft_normaliser) is the number of positions the
+    micro-batches train; device tensor ops only (no host sync). Consecutive positions step through the hash
+    by a fixed odd stride, so each row keeps close to ``position_fraction`` of any run of positions."""
+    s = input_ids.shape[1]
+    salt = input_ids.long().sum(dim=1, keepdim=True) % _HASH_MOD                      # [B, 1]
+    pos = torch.arange(s, device=input_ids.device).unsqueeze(0)                        # [1, S]
+    h = (pos * 2654435761 + depth * 40503 + salt * 97) % _HASH_MOD
+    return h < int(position_fraction * _HASH_MOD)
 
 
 def draft_normaliser(loss_mask: torch.Tensor, segment_ids, input_ids: torch.Tensor, spec: DraftLossSpec) -> float:

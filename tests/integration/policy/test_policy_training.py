@@ -206,12 +206,16 @@ def test_train_head_false_leaves_head_untouched_and_policy_unchanged(tiny_ckpt):
     close(on, off)
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
-def test_micro_batching_matches_one_batch(tiny_ckpt, reduction):
+@pytest.mark.parametrize("reduction,fraction", [("token_mean", 1.0), ("seq_mean_token_mean", 1.0),
+                                                ("token_mean", 0.25)])
+def test_micro_batching_matches_one_batch(tiny_ckpt, reduction, fraction):
+    # fraction < 1 (trainer.mtp.loss_position_fraction): each micro-batch trains the positions the whole
+    # batch's normaliser counted
     batch = make_batch(60, b=4)
     kw = {"loss_reduction": reduction}
-    one, acc = make(tiny_ckpt, micro_batch_size=4), make(tiny_ckpt, micro_batch_size=1)
+    one, acc = (make(tiny_ckpt, micro_batch_size=m, mtp_loss_position_fraction=fraction) for m in (4, 1))
     m1, m4 = one.train_step(copy.deepcopy(batch), "dapo", kw), acc.train_step(copy.deepcopy(batch), "dapo", kw)
+    assert m4["mtp/num_tokens"] == m1["mtp/num_tokens"] > 0
     for k in ("policy/loss", "policy/grad_norm", "mtp/loss", "mtp/grad_norm", "policy/clip_frac_high"):
         assert m4[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-7), k
     close(one, acc)

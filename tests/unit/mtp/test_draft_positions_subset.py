@@ -39,3 +39,18 @@ def test_subset_is_deterministic_and_moves_with_the_batch_and_depth():
     d2 = draft_positions(mask, 2, None, ids, 0.25)
     key = lambda p: set(zip(p[0].tolist(), p[1].tolist()))  # noqa: E731
     assert key(a) != key(c) and key(a) != key(d2)
+
+
+def test_a_rows_subset_does_not_depend_on_the_micro_batch_or_rank_that_holds_it():
+    # the normaliser counts the whole batch's positions (draft_normaliser) and each micro-batch trains its
+    # own: the two agree only if a row's subset is the same wherever the row sits
+    ids, mask = _batch()
+    whole = draft_positions(mask, 2, None, ids, 0.25)
+    key = lambda p, off=0: set(zip((p[0] + off).tolist(), p[1].tolist()))  # noqa: E731
+    for size in (1, 2, 3):
+        parts = set()
+        for i in range(0, 4, size):
+            parts |= key(draft_positions(mask[i:i + size], 2, None, ids[i:i + size], 0.25), i)
+        assert parts == key(whole), size
+    swapped = draft_positions(mask[[1, 0]], 2, None, ids[[1, 0]], 0.25)   # same rows, other order
+    assert key(swapped) == {(1 - r, c) if r < 2 else (r, c) for r, c in key(whole) if r < 2}
