@@ -212,8 +212,9 @@ def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
         y = 0.01 + 0.001 * x[1] + 0.004 * x[2] + 0.002 * x[3] + rng.gauss(0.0, 0.0005)
         full.add(x, y)
         partial.add(x[:3] + [0.0], y)                    # the last feature never explored
+    line_rows = LineRows(ps, qs)
     for fit in (young, partial, full):
-        lines = fit.line_table(LineRows(ps, qs))
+        lines = fit.line_table(line_rows)
         for b in (1.0, 2.0, 3.0, 7.0, 64.0, 127.0):
             rows = [[pi + b * qi for pi, qi in zip(p, q)] for p, q in zip(ps, qs)]
             preds, sds = lines.at(b)
@@ -223,9 +224,9 @@ def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
                     want = fit.difference_sd(a, c)
                     assert (math.isinf(sds[i][j]) and math.isinf(want)) or sds[i][j] == pytest.approx(want, rel=1e-9), \
                         (b, i, j, sds[i][j], want)
-    assert full.line_table(LineRows(ps, qs)).at(3.0)[1][0][5] == 0.0 < full.line_table(LineRows(ps, qs)).at(2.0)[1][0][5]
-    assert math.isinf(partial.line_table(LineRows(ps, qs)).at(2.0)[1][3][2])
-    assert not math.isinf(partial.line_table(LineRows(ps, qs)).at(2.0)[1][0][2])
+    assert full.line_table(line_rows).at(3.0)[1][0][5] == 0.0 < full.line_table(line_rows).at(2.0)[1][0][5]
+    assert math.isinf(partial.line_table(line_rows).at(2.0)[1][3][2])
+    assert not math.isinf(partial.line_table(line_rows).at(2.0)[1][0][2])
 
 
 def test_the_cost_tables_equal_the_fits_own_answers_at_each_batch():
