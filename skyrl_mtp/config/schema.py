@@ -59,8 +59,9 @@ class MTPConfig:
     # rollout's engine steps plus one more (at most max_speculative_tokens; mtp/draft_depths.py).
     train_depths: int | None = None
     # num_speculative_tokens=auto with train_depths=null: the head trains on a step when its credit covers
-    # what its last training took: the engine time its drafts saved since, plus this share of each step's
-    # time (its head training aside) for keeping it aligned with the policy while drafting saves nothing
+    # what its last training took (training it and pushing it to the engines): the engine time its drafts
+    # saved since, plus this share of each step's time (that aside) for keeping it aligned with the policy
+    # while drafting saves nothing
     # (mtp/draft_depths.py). So an idle head costs at most this share of the run, on any model.
     idle_head_train_budget: float = 0.01
 

@@ -11,9 +11,10 @@ measure it, and speculation deepens once it pays (trainer.mtp.train_depths=null 
 Training the head is only worth what its drafts save. Where they save little (a small model whose head
 costs as much as a trunk layer, drafting only in a rollout's short tail) training it on every step would
 cost more than drafting saves, so the head trains when its credit covers what its last training took
-(HeadTrainingCredit): the engine time its drafts saved since it last trained (from the engines' policies),
-plus an allowance of `trainer.mtp.idle_head_train_budget` of each step's time for keeping it aligned with
-the policy for when drafting pays again. The allowance bounds what keeping an idle head aligned costs, as
+(HeadTrainingCredit; its training and the push of the new head to the engines): the engine time its drafts
+saved since it last trained (from the engines' policies), plus an allowance of
+`trainer.mtp.idle_head_train_budget` of each step's time for keeping it aligned with the policy for when
+drafting pays again. The allowance bounds what keeping an idle head aligned costs, as
 a share of the run, on any model: a head that costs a sliver of a large model's step trains on most steps,
 the tiny default's (some 60% of its policy update) about every 14th step.
 
@@ -50,8 +51,8 @@ class HeadTrainingCredit:
 
     Each step: `add(saved)` with the engine seconds the engines' verified drafts saved in its rollouts (a
     negative figure counts as 0: exploration's cost is not the head's to repay), `due()`, `trained(s)` after a
-    step that trained the head with the seconds its training took, and `allow(step_seconds)` with the step's
-    time less that training, which adds `budget` x it. The credit is capped at two trainings' worth, so a long
+    step that trained the head with the seconds the head cost it (its training and pushing it to the
+    engines), and `allow(step_seconds)` with the step's time less that, which adds `budget` x it. The credit is capped at two trainings' worth, so a long
     stretch where drafting paid does not keep training a head whose drafts stopped paying."""
 
     budget: float

@@ -255,14 +255,19 @@ class RLTrainer:
         metrics.update(mean_metrics(parts))
         if any("mtp/train_seconds" in p for p in parts):   # the step's whole head training, every mini-batch
             metrics["train/head_seconds"] = sum(p.get("mtp/train_seconds", 0.0) for p in parts)
-        if head.get("train_head"):
-            self.head_credit.trained(metrics["train/head_seconds"])
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
         with timer.phase("sync"):
             metrics.update(self.sync_weights(head_changed=head.get("train_head", True)))
-        if "train_head" in head:   # the allowance for an idle head: a share of the step, its own training aside
-            self.head_credit.allow(sum(timer.totals.values()) - metrics.get("train/head_seconds", 0.0))
+        if "train_head" in head:
+            # what keeping the head costs: its training, and pushing it to the engines (a step that leaves the
+            # head as it was pushes the main model only); the allowance is a share of the step without that
+            head_cost = 0.0
+            if head["train_head"]:
+                head_cost = metrics["train/head_seconds"] + metrics.get("sync/draft_seconds", 0.0)
+                metrics["train/head_cost_s"] = head_cost
+                self.head_credit.trained(head_cost)
+            self.head_credit.allow(sum(timer.totals.values()) - head_cost)
         self.step += 1
         loop = self.loop
         if loop.eval_every_n_steps and (self.step % loop.eval_every_n_steps == 0 or self.step == loop.total_steps):

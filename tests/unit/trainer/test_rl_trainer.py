@@ -235,13 +235,23 @@ def test_resume_never_starts_fresh(tmp_path):
     assert r.resume_if_possible() == 0 and r.step == 0 and r.policy.loaded == []
 
 
-def _clocked(t, generate_seconds=1.0, head_seconds=0.5):
+def _clocked(t, generate_seconds=1.0, head_seconds=0.5, push_seconds=0.0):
     """The trainer's step timer on a fake clock: a rollout takes `generate_seconds`, training the head
-    `head_seconds` per update, the rest no time, so the idle head's allowance is exact."""
+    `head_seconds` per update, pushing a changed head to the engines `push_seconds`, the rest no time, so
+    the idle head's allowance is exact."""
     now = [0.0]
     t.clock = lambda: now[0]
     t.policy.head_seconds = head_seconds
-    generate, train_step = t.env.generate, t.policy.train_step
+    generate, train_step, sync = t.env.generate, t.policy.train_step, t.weight_sync.sync
+
+    def timed_sync(head_changed=True):
+        row = sync(head_changed=head_changed)
+        if head_changed:
+            now[0] += push_seconds
+            row = {**row, "sync/draft_seconds": push_seconds}
+        return row
+
+    t.weight_sync.sync = timed_sync
 
     def timed_generate(*a, **k):
         now[0] += generate_seconds
@@ -290,6 +300,22 @@ def test_an_idle_head_costs_the_budgeted_share_of_the_run(tmp_path):
     steps = [i + 1 for i, r in enumerate(rows) if r["train/head_trained"]]
     assert steps == [2, 6, 10, 14, 18, 22], steps
     head = sum(r.get("train/head_seconds", 0.0) for r in rows[2:])   # steps 3-22: five whole cycles
+    assert head / (sum(r["timing/step_s"] for r in rows[2:]) - head) == pytest.approx(0.0625)
+
+
+def test_an_idle_heads_budget_counts_pushing_it_to_the_engines(tmp_path):
+    # as above, but the head's 0.25 s is 0.15 s of training and 0.1 s of pushing it after: the same cadence,
+    # and both together are 1/16 of the time spent on everything else
+    t = _clocked(_trainer(tmp_path, "trainer.mtp.num_speculative_tokens=auto",
+                          "trainer.mtp.idle_head_train_budget=0.0625", "trainer.train_batch_size=4",
+                          "trainer.policy_mini_batch_size=null"), head_seconds=0.15, push_seconds=0.1)
+    t.engines.metrics = FakeWindow((1.0, 0.0, 0.0, 0.0), 0.0)
+    rows = [t.train_step() for _ in range(22)]
+    steps = [i + 1 for i, r in enumerate(rows) if r["train/head_trained"]]
+    assert steps == [2, 6, 10, 14, 18, 22], steps
+    assert [r.get("train/head_cost_s") for r in rows[:6]] == [None, pytest.approx(0.25), None, None, None,
+                                                              pytest.approx(0.25)]
+    head = sum(r.get("train/head_cost_s", 0.0) for r in rows[2:])
     assert head / (sum(r["timing/step_s"] for r in rows[2:]) - head) == pytest.approx(0.0625)
 
 
