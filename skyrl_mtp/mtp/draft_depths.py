@@ -14,9 +14,9 @@ cost more than drafting saves, so the head trains when its credit covers what it
 (HeadTrainingCredit; its training and the push of the new head to the engines): the engine time its drafts
 saved since it last trained (from the engines' policies), plus an allowance of
 `trainer.mtp.idle_head_train_budget` of each step's time for keeping it aligned with the policy for when
-drafting pays again. The allowance bounds what keeping an idle head aligned costs, as
-a share of the run, on any model: a head that costs a sliver of a large model's step trains on most steps,
-the tiny default's (some 60% of its policy update) about every 14th step.
+drafting pays again. The allowance bounds what keeping an idle head aligned costs, as a share of the run,
+on any model: a head that costs a sliver of a large model's step trains on most steps, the tiny default's
+(some 60% of its policy update) about every 14th step.
 
 The shares the trainer passes are those of the k each engine's policy chose, not of the k it ran: its
 probes, challenges and timing cycles run other ks on a small, steady share of the steps, and counted as
@@ -52,8 +52,9 @@ class HeadTrainingCredit:
     Each step: `add(saved)` with the engine seconds the engines' verified drafts saved in its rollouts (a
     negative figure counts as 0: exploration's cost is not the head's to repay), `due()`, `trained(s)` after a
     step that trained the head with the seconds the head cost it (its training and pushing it to the
-    engines), and `allow(step_seconds)` with the step's time less that, which adds `budget` x it. The credit is capped at two trainings' worth, so a long
-    stretch where drafting paid does not keep training a head whose drafts stopped paying."""
+    engines), and `allow(step_seconds)` with the step's time less that, which adds `budget` x it. The credit
+    is capped at two trainings' worth, so a long stretch where drafting paid does not keep training a head
+    whose drafts stopped paying."""
 
     budget: float
     credit: float = 0.0
