@@ -8,7 +8,8 @@ MTP-on / MTP-off; and (``--breakdown``) where the MTP-on extra time goes. Runs r
 
     python benchmarks/draft_loss.py [--json OUT] [--hidden 512 --layers 8 --vocab 8192 --batch 2 --seq 512]
 
-Times are the minimum over ``--reps`` runs (wall clock, and the process CPU time, which is less
+The train steps chunk the draft loss as a run does (``megatron.mtp_loss_chunk_size``, default auto: one
+chunk at this size on CPU); ``--train-chunk`` sets it. Times are the minimum over ``--reps`` runs (wall clock, and the process CPU time, which is less
 sensitive to other processes sharing the cores); on/off train steps are interleaved.
 The loss math alone (no Megatron) is benchmarked by ``benchmarks/draft_loss_math.py``.
 """
@@ -109,7 +110,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--prompt-len", dest="prompt_len", type=int, default=0,
                     help="leading tokens of each row outside the loss mask (a prompt): the draft loss skips them")
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk of the per-loss rows' chunked variant")
+    ap.add_argument("--train-chunk", dest="train_chunk", type=int, default=None,
+                    help="tokens per chunk of the draft loss in the train steps (trainer.mtp.loss_chunk_size; "
+                         "0: one chunk; default: the config's, auto)")
     ap.add_argument("--position-fraction", type=float, default=0.25,
                     help="the cheaper option: draft loss on this fraction of positions (trainer.mtp.loss_position_fraction)")
     ap.add_argument("--reps", type=int, default=5)
@@ -126,6 +130,8 @@ def main(argv=None) -> dict:
     for name in ("hidden", "layers", "vocab", "batch", "seq", "chunk", "reps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name}={getattr(a, name)} must be >= 1")
+    if a.train_chunk is not None and a.train_chunk < 0:
+        ap.error(f"--train-chunk={a.train_chunk} must be >= 0 (0: one chunk)")
     if not 0 <= a.prompt_len < a.seq:
         ap.error(f"--prompt-len={a.prompt_len} must be in [0, --seq)")
     if a.hidden % 64:
@@ -148,6 +154,8 @@ def main(argv=None) -> dict:
     ckpt = build_checkpoint(Path(tempfile.mkdtemp(prefix="draft_loss_bench_")) / "ckpt", a)
     port = free_port()
     common = dict(micro_batch_size=a.batch, policy_lr=1e-5, head_lr=1e-4, dtype=a.dtype)
+    if a.train_chunk is not None:
+        common["mtp_loss_chunk_size"] = a.train_chunk
     on = MegatronPolicy(PolicyWorkerConfig(**common), str(ckpt), 0, 1, "127.0.0.1", port)
     off = MegatronPolicy(PolicyWorkerConfig(**common, mtp_enabled=False), str(ckpt), 0, 1, "127.0.0.1", port)
     cheap = MegatronPolicy(PolicyWorkerConfig(**common, mtp_loss_position_fraction=a.position_fraction), str(ckpt),
@@ -206,7 +214,8 @@ def main(argv=None) -> dict:
               "policy_fwd_bwd_peak_mem_mb": round(policy_mb, 1),
               "device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": a.dtype,
               "threads": torch.get_num_threads(),
-              "shape": {k: getattr(a, k) for k in ("hidden", "layers", "vocab", "batch", "seq", "prompt_len", "chunk")}}
+              "shape": {k: getattr(a, k) for k in ("hidden", "layers", "vocab", "batch", "seq", "prompt_len", "chunk")},
+              "train_chunk": PolicyWorkerConfig(**common).mtp_loss_chunk_size}
 
     if a.breakdown:
         def replay_only():  # gradients returned, not accumulated: the optimizer parts keep theirs

@@ -25,9 +25,19 @@ RESUME_MODES = ("auto", "never")
 SYNTHETIC_TASKS = ("arithmetic", "search")
 SEARCH_ON_FAILURE = ("score", "raise")
 
-# Tokens per chunk of the draft loss (0 = all tokens at once): the one default, used by the
-# run config and by PolicyWorkerConfig alike.
-DEFAULT_MTP_LOSS_CHUNK_SIZE = 1024
+# Tokens per chunk of the draft loss: an int (0 = all tokens at once) or "auto", as many tokens as keep
+# one chunk's logits on a rank's vocab shard at MTP_LOSS_CHUNK_AUTO_ELEMENTS (512 MiB in fp32): few chunks
+# on a small vocabulary (each chunk costs a few dozen kernel launches), bounded memory on a large one.
+# The one default, used by the run config and by PolicyWorkerConfig alike.
+DEFAULT_MTP_LOSS_CHUNK_SIZE = "auto"
+MTP_LOSS_CHUNK_AUTO_ELEMENTS = 2**27
+MTP_LOSS_CHUNK_SIZE_ALLOWED = ("an int >= 0 (tokens per chunk of the draft loss; 0 = one chunk) or 'auto' "
+                               f"(as many tokens as keep a chunk's logits at {MTP_LOSS_CHUNK_AUTO_ELEMENTS} elements)")
+
+
+def is_chunk_size(value: Any) -> bool:
+    """A valid draft-loss chunk size: an int >= 0, or "auto"."""
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
 def problem(key: str, value: Any, allowed: str) -> str:

@@ -64,7 +64,7 @@ def policy_worker_config(cfg: DictConfig):
         tp=int(m.tp), pp=int(m.pp), dp=int(m.dp), mtp_enabled=enabled,
         mtp_num_layers=(m.mtp_num_layers if enabled else 0), mtp_num_depths=train_depths(cfg),
         mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if enabled else 0.0,
-        mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=int(m.mtp_loss_chunk_size),
+        mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=m.mtp_loss_chunk_size,
         mtp_loss_position_fraction=float(mtp.loss_position_fraction),
         mtp_loss_depth_decay=float(mtp.loss_depth_decay),
         policy_lr=float(po.lr), weight_decay=float(po.weight_decay), betas=tuple(po.betas), eps=float(po.eps),

@@ -141,7 +141,8 @@ class MegatronConfig:
     # The draft-loss type and weight are trainer.mtp.loss_type / loss_weight (one key per thing).
     mtp_num_layers: int | None = None
     mtp_loss_topk: int = 32                                     # for trainer.mtp.loss_type=topk_soft_ce
-    mtp_loss_chunk_size: int = DEFAULT_MTP_LOSS_CHUNK_SIZE      # tokens per chunk of the draft loss; 0 = one chunk
+    # tokens per chunk of the draft loss; 0 = one chunk; auto = a chunk's logits at 2**27 elements of the vocab shard
+    mtp_loss_chunk_size: int | str = DEFAULT_MTP_LOSS_CHUNK_SIZE
     policy_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     head_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
 

@@ -129,7 +129,7 @@ def validate_config(cfg: DictConfig) -> None:
     c.choice("megatron.dtype", A.DTYPES)
     c.at_least("megatron.mtp_num_layers", 0, optional=True)
     c.at_least("megatron.mtp_loss_topk", 1)
-    c.at_least("megatron.mtp_loss_chunk_size", 0)
+    c.check("megatron.mtp_loss_chunk_size", A.is_chunk_size, f"must be {A.MTP_LOSS_CHUNK_SIZE_ALLOWED}")
     for opt in ("policy_optimizer", "head_optimizer"):
         c.check(f"megatron.{opt}.lr", lambda v: v >= 0, "must be >= 0")
         c.at_least(f"megatron.{opt}.weight_decay", 0.0)

@@ -21,7 +21,7 @@ class DraftLossSpec:
     loss_type: str = "soft_ce"
     num_depths: int = 1
     topk: int = 32
-    chunk_size: int = 0
+    chunk_size: int | str = 0   # tokens per chunk; 0: one chunk; auto: draft_losses.chunk_tokens
     # < 1: the cheaper loss, on about this fraction of each sequence's draft positions (a hash of the
     # position, the depth and the batch's tokens picks them, so every TP rank picks the same ones and
     # successive batches cover different positions); the trunk-side replay still runs on all positions
@@ -160,10 +160,11 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    from .draft_losses import chunked_draft_loss, draft_loss
+    from .draft_losses import chunk_tokens, chunked_draft_loss, draft_loss
 
     tp_group, tp_rank, tp_size = _tp_info()
     v_local = policy_logits.shape[-1]
+    chunk = chunk_tokens(spec.chunk_size, v_local)
     kwargs = dict(loss_type=spec.loss_type, topk=spec.topk, tp_group=tp_group if tp_size > 1 else None,
                   vocab_start_index=tp_rank * v_local, vocab_size=vocab_size)
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
@@ -178,8 +179,8 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
         target = input_ids[rows, cols + 1 + d]  # the sampled token the head predicts
         student_hidden = copy_to_tensor_model_parallel_region(h[cols, rows])  # h is [S, B, H]
         valid = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        if spec.chunk_size > 0:
-            out = chunked_draft_loss(student_hidden, weight, teacher, valid, chunk_size=spec.chunk_size,
+        if chunk > 0:
+            out = chunked_draft_loss(student_hidden, weight, teacher, valid, chunk_size=chunk,
                                      target_ids=target, **kwargs)
         else:
             out = draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)

@@ -11,18 +11,22 @@ Loss types (per valid position; summed over positions where ``mask`` is true):
   hard_ce       -log q[target]                          target = the sampled token (global id)
   topk_soft_ce  sum_{v in K} -p~_v log q_v              K = teacher's global top-k, p~ = p renormalised on K
   tv            1 - sum_v min(p_v, q_v)                 1 - expected acceptance of one draft
-``chunked_draft_loss`` computes the student logits from hidden states chunk by chunk and recomputes
-them in backward, so peak memory is O(chunk_size * V_local) instead of O(N * V_local).
+``chunked_draft_loss`` computes the student logits from hidden states chunk by chunk, and each chunk's
+gradient with them: the gradient reaching the hidden states (and the output weight, if it is trained) is
+accumulated in the forward pass and only scaled in backward. So peak memory is O(chunk_size * V_local)
+instead of O(N * V_local), and the projection to the vocabulary runs once forward and once for its input
+gradient, as in the unchunked loss: no chunk is recomputed (activation checkpointing would project twice).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
+
+from skyrl_mtp.allowed import MTP_LOSS_CHUNK_AUTO_ELEMENTS, MTP_LOSS_CHUNK_SIZE_ALLOWED, is_chunk_size
 
 from . import vocab_parallel as vp
 
@@ -170,9 +174,61 @@ def draft_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask:
     return DraftLossOutput(loss_sum, mask.sum().to(loss_sum.dtype), top1_agree)
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
-                target_ids: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    return _masked_loss(F.linear(hidden, weight), teacher, mask, target_ids=target_ids, **kwargs)
+def _scaled(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    return grad * grad_loss.to(grad.dtype)
+
+
+class _ChunkedProjectedLoss(torch.autograd.Function):
+    """Sum of ``_masked_loss(hidden @ weight.T, ...)`` over row chunks, its gradient taken chunk by chunk in
+    forward: each chunk's logits live only while its loss and their gradient are computed, then the
+    gradient is folded into [N, H] (and, if needed, [V_local, H]) and the logits are freed. Under TP every
+    rank runs the same chunks, so the loss's collectives (forward and backward) stay in step."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, mask, target_ids, chunk_size: int, loss_kwargs: dict):
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        loss_sum, top1_agree = None, None
+        for lo in range(0, max(hidden.shape[0], 1), chunk_size):
+            rows = slice(lo, lo + chunk_size)
+            h = hidden[rows]
+            tgt = None if target_ids is None else target_ids[rows]
+            with torch.enable_grad():
+                logits = F.linear(h, weight).detach().requires_grad_(want_h or want_w)
+                part, agree = _masked_loss(logits, teacher[rows], mask[rows], target_ids=tgt, **loss_kwargs)
+                g = None
+                if (want_h or want_w) and part.requires_grad:  # an empty vocab shard's logits may not be used
+                    (g,) = torch.autograd.grad(part, logits, allow_unused=True)
+                g = torch.zeros_like(logits) if g is None else g
+            if want_h:
+                grad_h[rows] = g @ weight
+            if want_w:
+                grad_w.addmm_(g.t(), h)
+            part = part.detach()
+            loss_sum = part if loss_sum is None else loss_sum + part
+            top1_agree = agree if top1_agree is None else top1_agree + agree
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
+        ctx.mark_non_differentiable(top1_agree)
+        return loss_sum, top1_agree
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_agree):
+        saved = iter(ctx.saved_tensors)
+        grads = [_scaled(next(saved), grad_loss) if want else None for want in ctx.needs_input_grad[:2]]
+        return (*grads, None, None, None, None, None)
+
+
+def chunk_tokens(chunk_size: int | str, v_local: int) -> int:
+    """Tokens per chunk of the draft loss for a chunk-size setting (0: one chunk): an int as given, "auto" as
+    many tokens as keep one chunk's logits on a vocab shard of ``v_local`` columns at
+    MTP_LOSS_CHUNK_AUTO_ELEMENTS."""
+    if not is_chunk_size(chunk_size):
+        raise _bad("chunk_size", chunk_size, f"expected {MTP_LOSS_CHUNK_SIZE_ALLOWED}")
+    if chunk_size == "auto":
+        return max(1, MTP_LOSS_CHUNK_AUTO_ELEMENTS // max(int(v_local), 1))
+    return chunk_size
 
 
 def chunked_draft_loss(student_hidden: torch.Tensor, output_weight: torch.Tensor, teacher_logits: torch.Tensor,
@@ -180,8 +236,9 @@ def chunked_draft_loss(student_hidden: torch.Tensor, output_weight: torch.Tensor
                        target_ids: torch.Tensor | None = None, topk: int = 32, tp_group=None,
                        vocab_start_index: int = 0, vocab_size: int | None = None) -> DraftLossOutput:
     """``draft_loss(student_hidden @ output_weight.T, ...)`` with the logits built ``chunk_size`` rows at a
-    time and rebuilt in backward (activation checkpointing), so no [N, V_local] student tensor is ever held.
-    Gradient reaches ``student_hidden`` and, only if it requires grad, ``output_weight``."""
+    time and each chunk's gradient taken as it is built (``_ChunkedProjectedLoss``), so no [N, V_local]
+    student tensor is ever held and none is rebuilt. Gradient reaches ``student_hidden`` and, only if it
+    requires grad, ``output_weight``."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise _bad("chunk_size", chunk_size, "expected an int >= 1")
     if student_hidden.dim() != 2 or not student_hidden.is_floating_point():
@@ -196,16 +253,8 @@ def chunked_draft_loss(student_hidden: torch.Tensor, output_weight: torch.Tensor
     if loss_type == "hard_ce":
         _check_targets(target_ids, mask,
                        _global_vocab_end(v_local, vocab_start_index, vocab_size, tp_group, student_hidden.device))
-    fn = partial(_chunk_loss, loss_type=loss_type, topk=topk, tp_group=tp_group,
-                 vocab_start_index=vocab_start_index, vocab_size=vocab_size)
-    teacher = teacher_logits.detach()
-    loss_sum, top1_agree = None, None
-    for lo in range(0, max(n, 1), chunk_size):
-        rows = slice(lo, lo + chunk_size)
-        tgt = None if target_ids is None else target_ids[rows]
-        # Under TP the recomputation must replay every collective on every rank: no early stop.
-        part, agree = checkpoint(fn, student_hidden[rows], output_weight, teacher[rows], mask[rows], tgt,
-                                 use_reentrant=False, early_stop=tp_group is None)
-        loss_sum = part if loss_sum is None else loss_sum + part
-        top1_agree = agree if top1_agree is None else top1_agree + agree
+    loss_kwargs = dict(loss_type=loss_type, topk=topk, tp_group=tp_group, vocab_start_index=vocab_start_index,
+                       vocab_size=vocab_size)
+    loss_sum, top1_agree = _ChunkedProjectedLoss.apply(student_hidden, output_weight, teacher_logits.detach(), mask,
+                                                       target_ids, chunk_size, loss_kwargs)
     return DraftLossOutput(loss_sum, mask.sum().to(loss_sum.dtype), top1_agree)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from skyrl_mtp.allowed import DEFAULT_MTP_LOSS_CHUNK_SIZE, DRAFT_LOSS_TYPES, DTYPES, LR_SCHEDULES, problem
+from skyrl_mtp.allowed import (
+    DEFAULT_MTP_LOSS_CHUNK_SIZE,
+    DRAFT_LOSS_TYPES,
+    DTYPES,
+    LR_SCHEDULES,
+    MTP_LOSS_CHUNK_SIZE_ALLOWED,
+    is_chunk_size,
+    problem,
+)
 
 
 class PolicyConfigError(ValueError):
@@ -31,7 +39,7 @@ class PolicyWorkerConfig:
     mtp_loss_type: str = "soft_ce"
     mtp_loss_weight: float = 1.0
     mtp_loss_topk: int = 32
-    mtp_loss_chunk_size: int = DEFAULT_MTP_LOSS_CHUNK_SIZE  # 0: no chunking over tokens
+    mtp_loss_chunk_size: int | str = DEFAULT_MTP_LOSS_CHUNK_SIZE  # tokens per chunk; 0: no chunking; auto: by vocab
     mtp_loss_position_fraction: float = 1.0  # < 1: draft loss on that fraction of positions (run key trainer.mtp.loss_position_fraction)
     mtp_loss_depth_decay: float = 1.0  # depth d's draft loss weighs this ** (d - 1) (run key trainer.mtp.loss_depth_decay)
     mtp_detach_trunk: bool = True
@@ -79,8 +87,8 @@ class PolicyWorkerConfig:
             raise _bad("mtp_loss_position_fraction", self.mtp_loss_position_fraction, "must be in (0, 1]")
         if not 0.0 < float(self.mtp_loss_depth_decay) <= 1.0:
             raise _bad("mtp_loss_depth_decay", self.mtp_loss_depth_decay, "must be in (0, 1]")
-        if self.mtp_loss_chunk_size < 0:
-            raise _bad("mtp_loss_chunk_size", self.mtp_loss_chunk_size, "must be >= 0 (0 = no chunking)")
+        if not is_chunk_size(self.mtp_loss_chunk_size):
+            raise _bad("mtp_loss_chunk_size", self.mtp_loss_chunk_size, f"must be {MTP_LOSS_CHUNK_SIZE_ALLOWED}")
         if self.mtp_loss_weight < 0:
             raise _bad("mtp_loss_weight", self.mtp_loss_weight, "must be >= 0")
         for name in ("policy_lr", "head_lr"):

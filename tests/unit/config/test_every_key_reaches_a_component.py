@@ -50,6 +50,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),
     "megatron.mtp_num_layers": (1, {}),
+    "megatron.mtp_loss_chunk_size": (1024, {}),
     "megatron.policy_optimizer.betas": ([0.8, 0.99], {}),
     "megatron.head_optimizer.betas": ([0.8, 0.99], {}),
     "megatron.policy_optimizer.lr_schedule": ("cosine", {}),

@@ -303,3 +303,40 @@ def test_chunked_bad_input(kwargs, needle):
     with pytest.raises(ValueError) as e:
         chunked_draft_loss(torch.zeros(3, 2), weight, _T, _M, **kwargs)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("loss_type", DRAFT_LOSS_TYPES)
+def test_chunked_projects_no_more_than_unchunked(loss_type):
+    """The chunked loss takes each chunk's gradient as it builds the chunk's logits: its forward+backward
+    costs the unchunked loss's matmul FLOPs (projection forward, and its input gradient), where rebuilding
+    the logits in backward (activation checkpointing) would add a second projection forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, h, v = 64, 16, 40
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h)
+    t, mask = torch.randn(n, v), torch.ones(n, dtype=torch.bool)
+    kw = dict(loss_type=loss_type, target_ids=torch.zeros(n, dtype=torch.long), topk=4)
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn().loss_sum.backward()
+        return counter.get_total_flops()
+
+    full = flops(lambda: draft_loss(hidden @ weight.t(), t, mask, **kw))
+    assert full >= 4 * n * h * v
+    assert flops(lambda: chunked_draft_loss(hidden, weight, t, mask, chunk_size=16, **kw)) == full
+
+
+def test_chunk_tokens_auto_keeps_a_chunks_logits_at_the_element_budget():
+    from skyrl_mtp.allowed import MTP_LOSS_CHUNK_AUTO_ELEMENTS
+    from skyrl_mtp.mtp.draft_losses import chunk_tokens
+
+    assert chunk_tokens("auto", 8192) == MTP_LOSS_CHUNK_AUTO_ELEMENTS // 8192 == 16384
+    assert chunk_tokens("auto", 151_680) == 884          # MiMo's vocab on one rank
+    assert chunk_tokens("auto", 75_840) == 1769          # the same over TP 2: a rank's shard
+    assert chunk_tokens("auto", 2**30) == 1 and chunk_tokens("auto", 0) == MTP_LOSS_CHUNK_AUTO_ELEMENTS
+    assert chunk_tokens(0, 8192) == 0 and chunk_tokens(512, 8192) == 512
+    for bad in (-1, 1.5, True, "big", None):
+        with pytest.raises(ValueError, match="chunk_size="):
+            chunk_tokens(bad, 8192)
