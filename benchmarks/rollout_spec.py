@@ -18,7 +18,9 @@ is the ratio of the two fastest rollouts (this engine's and its head's no-spec e
 rounds): on a shared machine a busy moment only ever adds time, it comes in bursts shorter than a round,
 and it hits some rollouts of a round and not others, so the fastest of several interleaved rollouts is
 what the engine costs (engines timed one after another differed by up to 25% at identical work).
-`speedup_per_rep` keeps the ratio of every round, to show the spread. `runner_ms_per_step` is where the
+`speedup_per_rep` keeps the ratio of every round, to show the spread, and `speedup_median_of_rounds` is
+their median (a second reading of the same rounds: where a few short rollouts decide the fastest, as at
+batch 1, the two can differ by more than the effects measured; more --reps narrows both). `runner_ms_per_step` is where the
 engine's steps spent their time inside vLLM's model runner over the timed rounds (runner_phase_timer: ms
 per step of input preparation, model forward, sampling, drafting, bookkeeping), so a difference between
 two engines that drafted the same tokens can be traced to a phase rather than to the machine.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -304,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "mean_acceptance_length": r["mean_acceptance_length"],
                                  "acceptance_per_pos": r["per_pos"], "k_mean": r["k_mean"],
                                  "speedup_vs_no_spec": speedup,
-                                 "speedup_per_rep": per_rep, "predicted_speedup": predicted,
+                                 "speedup_per_rep": per_rep, "speedup_median_of_rounds": statistics.median(per_rep),
+                                 "predicted_speedup": predicted,
                                  "runner_ms_per_step": r["runner_ms_per_step"],
                                  "identical_to_no_spec": r["token_ids"] == ref["token_ids"]})
                     print(f"k={k} head={head} batch={batch}: {r['tokens_per_s']:.1f} tok/s, "
@@ -320,12 +324,13 @@ def main(argv: list[str] | None = None) -> int:
           f"prompt_len={a.prompt_len} max_tokens={a.max_tokens} (greedy, EOS ignored); "
           f"draft cost ratio c={c:.3f} (parameter estimate)")
     print(f"{'head':>7} {'k':>5} {'batch':>5} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'k_mean':>6} {'speedup':>8} "
-          f"{'per-round range':>15} {'predicted':>9} {'same':>5}")
+          f"{'per-round range':>15} {'median':>6} {'predicted':>9} {'same':>5}")
     for row in rows:
         print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} {row['tokens_per_s']:>8.1f} "
               f"{fmt(row['acceptance_rate'], '.3f'):>7} {fmt(row['mean_acceptance_length'], '.2f'):>8} "
               f"{fmt(row['k_mean'], '.2f'):>6} {row['speedup_vs_no_spec']:>7.2f}x "
               f"{min(row['speedup_per_rep']):>7.2f}-{max(row['speedup_per_rep']):.2f}x "
+              f"{row['speedup_median_of_rounds']:>5.2f}x "
               f"{fmt(row['predicted_speedup'], '.2f'):>8}x {str(row['identical_to_no_spec']):>5}")
     print("\nms per engine step inside vLLM's model runner (execute_model holds prepare and forward; "
           "sample_tokens holds sample, draft and bookkeeping)")

@@ -31,7 +31,7 @@ EXPECTED = {
                                           "draft_sample_method", "k", "acceptance_rate", "acceptance_per_pos",
                                           "acceptance_vs_oracle"}),
     "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
-                                   "speedup_vs_no_spec", "speedup_per_rep", "no_spec_tokens_per_s", "predicted_speedup",
+                                   "speedup_vs_no_spec", "speedup_per_rep", "speedup_median_of_rounds", "no_spec_tokens_per_s", "predicted_speedup",
                                    "runner_ms_per_step"}),
     "speculation_policy.py": ({"rows", "k_max"}, {"acceptance", "us_per_step", "share_of_step", "k_mean", "k_histogram"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
@@ -93,6 +93,8 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
         for row in result["rows"]:
             assert row["identical_to_no_spec"], row
             assert len(row["speedup_per_rep"]) >= 1 and all(s > 0 for s in row["speedup_per_rep"]), row
+            rounds = sorted(row["speedup_per_rep"])
+            assert row["speedup_median_of_rounds"] == (rounds[(len(rounds) - 1) // 2] + rounds[len(rounds) // 2]) / 2, row
             if row["k"] == 0:
                 assert row["acceptance_rate"] is None and row["speedup_per_rep"] == [1.0] * len(row["speedup_per_rep"]), row
             elif row["acceptance_rate"] is not None:
