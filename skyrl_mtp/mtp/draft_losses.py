@@ -197,14 +197,15 @@ class _ChunkedProjectedLoss(torch.autograd.Function):
             with torch.enable_grad():
                 logits = F.linear(h, weight).detach().requires_grad_(want_h or want_w)
                 part, agree = _masked_loss(logits, teacher[rows], mask[rows], target_ids=tgt, **loss_kwargs)
+            if want_h or want_w:
                 g = None
-                if (want_h or want_w) and part.requires_grad:  # an empty vocab shard's logits may not be used
+                if part.requires_grad:  # an empty vocab shard's logits may not be used
                     (g,) = torch.autograd.grad(part, logits, allow_unused=True)
                 g = torch.zeros_like(logits) if g is None else g
-            if want_h:
-                grad_h[rows] = g @ weight
-            if want_w:
-                grad_w.addmm_(g.t(), h)
+                if want_h:
+                    grad_h[rows] = g @ weight
+                if want_w:
+                    grad_w.addmm_(g.t(), h)
             part = part.detach()
             loss_sum = part if loss_sum is None else loss_sum + part
             top1_agree = agree if top1_agree is None else top1_agree + agree
