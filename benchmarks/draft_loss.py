@@ -9,8 +9,9 @@ MTP-on / MTP-off; and (``--breakdown``) where the MTP-on extra time goes. Runs r
     python benchmarks/draft_loss.py [--json OUT] [--hidden 512 --layers 8 --vocab 8192 --batch 2 --seq 512]
 
 The train steps chunk the draft loss as a run does (``megatron.mtp_loss_chunk_size``, default auto: one
-chunk at this size on CPU); ``--train-chunk`` sets it. Times are the minimum over ``--reps`` runs (wall clock, and the process CPU time, which is less
-sensitive to other processes sharing the cores); on/off train steps are interleaved.
+chunk at this size on CPU); ``--train-chunk`` sets it. Times are the minimum over ``--reps`` runs (wall
+clock, and the process CPU time, which is less sensitive to other processes sharing the cores); on/off
+train steps are interleaved.
 The loss math alone (no Megatron) is benchmarked by ``benchmarks/draft_loss_math.py``.
 """
 
@@ -112,7 +113,7 @@ def main(argv=None) -> dict:
                     help="leading tokens of each row outside the loss mask (a prompt): the draft loss skips them")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk of the per-loss rows' chunked variant")
     ap.add_argument("--train-chunk", dest="train_chunk", type=int, default=None,
-                    help="tokens per chunk of the draft loss in the train steps (trainer.mtp.loss_chunk_size; "
+                    help="tokens per chunk of the draft loss in the train steps (megatron.mtp_loss_chunk_size; "
                          "0: one chunk; default: the config's, auto)")
     ap.add_argument("--position-fraction", type=float, default=0.25,
                     help="the cheaper option: draft loss on this fraction of positions (trainer.mtp.loss_position_fraction)")
@@ -215,7 +216,7 @@ def main(argv=None) -> dict:
               "device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": a.dtype,
               "threads": torch.get_num_threads(),
               "shape": {k: getattr(a, k) for k in ("hidden", "layers", "vocab", "batch", "seq", "prompt_len", "chunk")},
-              "train_chunk": PolicyWorkerConfig(**common).mtp_loss_chunk_size}
+              "train_chunk": on.cfg.mtp_loss_chunk_size}
 
     if a.breakdown:
         def replay_only():  # gradients returned, not accumulated: the optimizer parts keep theirs

@@ -20,10 +20,11 @@ and it hits some rollouts of a round and not others, so the fastest of several i
 what the engine costs (engines timed one after another differed by up to 25% at identical work).
 `speedup_per_rep` keeps the ratio of every round, to show the spread, and `speedup_median_of_rounds` is
 their median (a second reading of the same rounds: where a few short rollouts decide the fastest, as at
-batch 1, the two can differ by more than the effects measured; more --reps narrows both). `runner_ms_per_step` is where the
-engine's steps spent their time inside vLLM's model runner over the timed rounds (runner_phase_timer: ms
-per step of input preparation, model forward, sampling, drafting, bookkeeping), so a difference between
-two engines that drafted the same tokens can be traced to a phase rather than to the machine.
+batch 1, the two can differ by more than the effects measured; more --reps narrows both).
+`runner_ms_per_step` is where the engine's steps spent their time inside vLLM's model runner over the
+timed rounds (runner_phase_timer: ms per step of input preparation, model forward, sampling, drafting,
+bookkeeping), so a difference between two engines that drafted the same tokens can be traced to a phase
+rather than to the machine.
 
 Predicted speedup = (1 + sum_i acceptance_pos_i) / (1 + k * c): tokens per target step over the cost
 of one step (verify ~ one target forward, plus k draft forwards). c, the cost of one draft forward
