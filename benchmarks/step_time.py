@@ -4,7 +4,7 @@
                   the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py);
                   the head trains the depths the engines drafted, as often as their drafts' savings
                   plus trainer.mtp.idle_head_train_budget of the step time pay for (head_depths,
-                  head_trained_share),
+                  head_trained_share, and head_cost_s: its training and push per measured step),
 - spec_mtp_train: MTP speculative decoding with the draft head trained, fixed k (the recipe's),
 - spec_vllm_coupling: the same with vLLM's own rejection-sampling coupling instead of the
                   draft-invariant one (generator.draft_invariant_sampling=false): the price of the
@@ -97,6 +97,9 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
     out["head_depths"] = sum(depths) / len(depths) if depths else None   # auto only: depths the head trained
     trained = [r["train/head_trained"] for r in rows if "train/head_trained" in r]
     out["head_trained_share"] = sum(trained) / len(trained) if trained else None   # auto only: steps it trained
+    # auto only: what training the head and pushing it to the engines took, per measured step. It trains in
+    # bursts (every ~14th step at the default budget), so a short window holds one burst or none
+    out["head_cost_s"] = (sum(r.get("train/head_cost_s", 0.0) for r in rows) / len(rows)) if trained else None
     return out
 
 
@@ -159,7 +162,7 @@ def normalised_ratio(spec_runs: list[list[float]], base_runs: list[list[float]],
 
 
 HEADLINE_SETUPS = ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling")
-ROW_MEANS = ("acceptance", "tokens_per_s", "reward", "k_mean", "head_depths", "head_trained_share")
+ROW_MEANS = ("acceptance", "tokens_per_s", "reward", "k_mean", "head_depths", "head_trained_share", "head_cost_s")
 
 
 def with_ratios_to_no_spec(rows: list[dict]) -> list[dict]:
@@ -176,7 +179,8 @@ def setup_rows(results: dict[str, dict]) -> list[dict]:
     return with_ratios_to_no_spec([
         {"setup": name, **{f"{p}_s": r[p] for p in PHASES}, "acceptance": r["acceptance"],
          "tokens_per_s": r["tokens_per_s"], "reward": r["reward_mean"], "k_mean": r["k_mean"],
-         "head_depths": r["head_depths"], "head_trained_share": r["head_trained_share"]}
+         "head_depths": r["head_depths"], "head_trained_share": r["head_trained_share"],
+         "head_cost_s": r["head_cost_s"]}
         for name, r in results.items()])
 
 
@@ -187,6 +191,11 @@ def print_rows(rows: list[dict]) -> None:
         print(f"{r['setup']:<20}" + "".join(f"{r[p + '_s']:>16.3f}" for p in PHASES)
               + f"{r['acceptance']:>8.3f}{r['tokens_per_s']:>9.0f}{r['generate_ratio_vs_no_spec']:>13.2f}"
               f"{r['step_ratio_vs_no_spec']:>14.2f}")
+    for r in rows:
+        if r.get("head_cost_s") is not None:
+            print(f"{r['setup']}: the head trained on {r['head_trained_share']:.1%} of the measured steps; its "
+                  f"training and push took {r['head_cost_s']:.3f} s per step ({r['head_cost_s'] / r['step_s']:.1%} "
+                  "of the step)")
 
 
 def headline_ratios(per_step: dict[str, list[dict]]) -> dict:

@@ -85,6 +85,7 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
     if script == "step_time.py":   # auto k: the trainer chose the head's depths from the engines' k each step
         auto = next(r for r in result["rows"] if r["setup"] == "spec_auto")
         assert 1 <= auto["head_depths"] <= 3 and 0 <= auto["k_mean"] <= 3 and 0 <= auto["head_trained_share"] <= 1, auto
+        assert auto["head_cost_s"] >= 0 and (auto["head_cost_s"] > 0) == (auto["head_trained_share"] > 0), auto
         ref = [t for run in result["per_step"]["no_spec"] for t in run["policy_work"]]   # the speed meter: measured
         lo, hi = result["step_ratio_speed_normalised_ci95"]
         ratio = result["step_ratio_speed_normalised"]   # (the interval's sums run in another order: 1e-9 slack)

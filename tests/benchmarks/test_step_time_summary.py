@@ -23,7 +23,17 @@ def test_phases_are_times_and_the_reward_is_kept_apart():
     assert out["generate"] == pytest.approx(2.0) and out["reward"] == pytest.approx(1.0)
     assert out["train"] == pytest.approx(0.4) and out["step"] == pytest.approx(4.0)
     assert out["reward_mean"] == pytest.approx(0.625)
-    assert out["k_mean"] is None and out["head_trained_share"] is None
+    assert out["k_mean"] is None and out["head_trained_share"] is None and out["head_cost_s"] is None
+
+
+def test_the_heads_cost_is_spread_over_every_measured_step_of_an_auto_run():
+    # the idle head trains in bursts: one step of the three measured trained it (0.3 s with its push)
+    rows = [_row(1, step=9.0) | {"train/head_trained": 1.0, "train/head_cost_s": 5.0},   # skipped
+            _row(2, step=2.0) | {"train/head_trained": 0.0},
+            _row(3, step=2.0) | {"train/head_trained": 1.0, "train/head_cost_s": 0.3},
+            _row(4, step=2.0) | {"train/head_trained": 0.0}]
+    out = step_time.summarize(rows, skip=1)
+    assert out["head_trained_share"] == pytest.approx(1 / 3) and out["head_cost_s"] == pytest.approx(0.1)
 
 
 def test_the_ratio_interval_collapses_when_every_step_has_the_same_ratio():
@@ -99,7 +109,8 @@ def _doc(per_step_runs: dict, steps=4, skip=1):
     rows = [{"setup": s, **{f"{p}_s": sum(sum(r[p]) for r in runs) / sum(len(r[p]) for r in runs)
                             for p in step_time.PHASES},
              "acceptance": 0.5 if s != "no_spec" else 0.0, "tokens_per_s": 100.0, "reward": 0.3,
-             "k_mean": 1.0 if s != "no_spec" else None, "head_depths": None, "head_trained_share": None}
+             "k_mean": 1.0 if s != "no_spec" else None, "head_depths": None, "head_trained_share": None,
+             "head_cost_s": None}
             for s, runs in per_step.items()]
     return {"steps": steps, "skip": skip, "rows": rows, "per_step": per_step}
 
