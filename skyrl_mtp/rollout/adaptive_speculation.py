@@ -11,12 +11,13 @@ chosen per engine step to maximise expected tokens per second, from
   improves, and its weight cut to a few steps' worth at each weight sync (the next head's drafts soon
   outweigh the last one's), and
 - a cost model fitted online on the running engine: whole-step time as a linear function of the tokens
-  verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k,
-  with the uncertainty of its predictions: a batch bucket leaves the k it runs at only when the other k
-  wins by more than one standard error of their cost difference, so a few slow steps on a busy machine,
-  or a fit extrapolated to a batch it has not timed, do not start drafting where it does not pay. Its
-  costs per k are made non-decreasing by isotonic regression weighted by how sure it is of each, and a
-  step timed far beyond its prediction (a stall) counts as a bounded slow step.
+  verified and of the draft steps run, one fit per batch bucket once that bucket has been timed at every k
+  (a bucket drafts only from then on: the fit over all batch sizes it is judged on before is an
+  extrapolation), with the uncertainty of its predictions: a batch bucket leaves the k it runs at only when
+  the other k wins by more than one standard error of their cost difference, so a few slow steps on a busy
+  machine do not start drafting where it does not pay. Its costs per k are made non-decreasing by isotonic
+  regression weighted by how sure it is of each, and a step timed far beyond its prediction (a stall)
+  counts as a bounded slow step once its bucket has timed that k more than once.
 
 Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and the first decode-only step of each
 new batch bucket, while drafting can still pay, starts a cycle over the ks that bucket has not timed (a rollout's
@@ -350,6 +351,8 @@ class CostModel:
     buckets: dict[int, OnlineLinearFit] = field(default_factory=dict)
     seen_k: dict[int, set[int]] = field(default_factory=dict)
     stall_ratio: float = 1.5
+    stall_min_samples: float = 1.5
+    weight_at_k: dict[int, list[float]] = field(default_factory=dict)   # per bucket: its fit's decayed samples per k
     _tables: dict[tuple, _CostTable] = field(default_factory=dict, repr=False)
     _line_tables: dict[tuple, LineTable] = field(default_factory=dict, repr=False)
     _rows: LineRows | None = field(default=None, repr=False)
@@ -360,13 +363,22 @@ class CostModel:
         the bucket has a fit of its own, a time beyond `stall_ratio` x its prediction counts as that much:
         timings are skewed (a step is never faster than its work, often slower while the machine does
         something else), and with a few samples per k one stall would move that k's cost for a long time.
-        Only the slow side is clipped, so a prediction that came out too high is corrected at once."""
+        Only the slow side is clipped, so a prediction that came out too high is corrected at once. And only at
+        a k the bucket's fit has timed `stall_min_samples` times (decayed as the fit decays them): the cycle
+        that completes a bucket times some k once, at one batch size, and the fit's prediction of that k at
+        other sizes in the bucket can be a fraction of its cost (seen: 11 ms for a 36 ms step); clipped to
+        1.5x that, the next timings would keep drafting looking cheap there for many steps."""
         x = step_features(num_tokens, batch, k)
-        if self.covers(batch):   # a stall (the machine was busy) is not what the step costs
-            seconds = min(seconds, self.stall_ratio * max(self._fit(batch).predict(x), 1e-6))
-        self.global_fit.add(x, seconds)
         b = bucket(batch)
-        self.buckets.setdefault(b, OnlineLinearFit(6)).add(x, seconds)
+        fit = self.buckets.setdefault(b, OnlineLinearFit(6))
+        timed = self.weight_at_k.setdefault(b, [0.0] * (self.k_max + 1))
+        if self.covers(batch) and timed[k] >= self.stall_min_samples:   # a stall is not what the step costs
+            seconds = min(seconds, self.stall_ratio * max(fit.predict(x), 1e-6))
+        self.global_fit.add(x, seconds)
+        fit.add(x, seconds)
+        for j in range(len(timed)):
+            timed[j] *= fit.decay
+        timed[k] += 1.0
         self.seen_k.setdefault(b, set()).add(k)
 
     def covers(self, batch: int) -> bool:
@@ -554,7 +566,8 @@ class SpeculationPolicy:
     acceptance can gain `min_gain` tokens per step and the model fitted so far, one standard error in
     drafting's favour, puts the best k > 0 within `calibrate_within` of k = 0 in tokens per second; an
     untrained head, or drafts that cost several plain steps: nothing to calibrate for; the probes keep
-    watching) and the cycle fits the exploration budget (below).
+    watching) and the cycle fits the exploration budget (below). Until it has been timed at every k a
+    bucket runs k = 0: its costs would be read off the fit over all batch sizes, an extrapolation.
 
     Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
     beyond one standard error of the cost fit. Challenges: a k that could beat that choice within the
@@ -703,6 +716,8 @@ class SpeculationPolicy:
         if self._memo is None or self._memo[0] != key:
             alphas = self.acceptance.rates()
             best, rates = best_k(alphas, self.cost, batch, self.k_max, key[1])
+            if best and not self.cost.covers(batch):
+                best = 0   # drafting is adopted on this batch size's own timings only, never extrapolated
             self._memo = (key, (best, plausible_rival(alphas, self.cost, batch, self.k_max, best, rates)))
         return self._memo[1][0]
 
@@ -710,9 +725,10 @@ class SpeculationPolicy:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
         `min_gain` tokens per step, and the fit so far, taken one standard error in drafting's favour
         (_hopeful_costs), puts the best k > 0 within `calibrate_within` of k = 0) and the cycle fits the
-        probes' exploration budget: its regret against the best k, at those costs, within `explore_budget`
-        of the engine time predicted since the last exploration. Steps the cycle spends at the best k, or
-        deeper with drafts that pay for themselves, cost nothing; the rest makes it wait, so calibrating the
+        probes' exploration budget: its regret against k = 0 (what the bucket runs until it has been timed), at
+        those costs, within `explore_budget` of the engine time predicted since the last exploration. Steps
+        the cycle spends at k = 0, or deeper with drafts that pay for themselves, cost nothing (where
+        drafting pays, the cycle runs at once); the rest makes it wait, so calibrating the
         buckets a rollout's tail passes through (64, 32, ..., 1 sequences left) is spread over the run
         instead of front-loaded."""
         alphas = self.acceptance.rates()
@@ -721,7 +737,7 @@ class SpeculationPolicy:
         if not self.timing_valid:
             return True
         b = max(batch, 1)
-        best, _ = best_k(alphas, self.cost, b, self.k_max, self._incumbent.get(bucket(b), 0))
+        best = 0   # what a bucket not yet timed at every k runs (_model_choice)
         hopeful = self._hopeful_costs(b)
         rates = [expected_tokens(alphas, k) / c for k, c in enumerate(hopeful)]
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:

@@ -283,6 +283,27 @@ def test_a_stall_after_the_bucket_has_a_fit_counts_as_a_bounded_slow_step():
     assert cost.step_seconds(8, 0) < too_high - 0.0003
 
 
+def test_a_k_timed_once_in_its_bucket_is_not_clipped_to_the_fits_guess_elsewhere_in_it():
+    # timings from the tiny default's bucket 32..63 on 2 CPU cores: k = 0 timed at many sizes, then one
+    # timing each at k = 1, 2, 3 (the calibration cycle that completes the bucket) at 36-40 sequences
+    cost = CostModel(k_max=3)
+    for _ in range(2):
+        for b in range(32, 64, 3):
+            cost.observe(b, b, 0, 0.006 + 0.0001 * b)
+    cost.observe(76, 38, 1, 0.021)
+    cost.observe(120, 40, 2, 0.026)
+    cost.observe(144, 36, 3, 0.036)
+    assert cost.covers(62)
+    assert cost.step_seconds(62, 3) < cost.step_seconds(62, 0)   # the fit's guess at 62: drafting for free
+    cost.observe(62 * 4, 62, 3, 0.036)                           # the engine times k = 3 at 62: 36 ms
+    for b in range(32, 64, 8):
+        cost.observe(b, b, 0, 0.006 + 0.0001 * b)
+    # counted in full, not as 1.5x the guess (which left k = 3 at 16 ms and drafting at 3x the plain step)
+    assert cost.step_seconds(62, 3) > 0.030, cost.step_seconds(62, 3)
+    rates = best_k([0.74, 0.34, 0.05], cost, 62, 3)[1]
+    assert rates[3] < rates[0], rates                             # k = 3 no longer looks like it pays
+
+
 def test_isotonic_pools_violators_by_weight():
     assert isotonic([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
     assert isotonic([3.0, 1.0, 2.0], [1, 1, 1]) == pytest.approx([2.0, 2.0, 2.0])
@@ -445,20 +466,31 @@ def test_policy_calibrates_then_exploits_and_probes():
     assert pol._incumbent == {3: 2, 7: 0}
 
 
-def test_policy_calibrates_each_new_batch_bucket_while_drafting_can_pay():
+def test_a_new_batch_bucket_drafts_only_once_it_was_timed_there_at_every_k():
+    """A bucket not yet timed at every k runs k = 0, whatever the fit over all batches says: that fit
+    extrapolates (on the tiny default it priced k = 0 at 3 sequences at 1.3x its cost and a draft step at 63
+    sequences at half its cost, and the tail drafted at a loss). Where drafting may pay, the bucket's
+    calibration cycle starts at once, nearest k = 0 (its steps give up nothing against what the bucket runs),
+    and once the engine has timed it the bucket drafts on its own fit."""
+    def seconds(b: int, k: int) -> float:
+        return 0.010 + 0.0008 * b * (1 + k) + (k > 0) * (0.002 + 0.0002 * b) + max(k - 1, 0) * (0.002 + 0.0002 * b)
+
     pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=0)
     assert [pol.choose(1) for _ in range(6)] == [2, 2, 1, 1, 0, 0]
-    pol.cost = _cost(0.010, 0.0008, 0.002, 0.0002, 0.002, 0.0002, batches=(1, 2))
+    for b in (1, 2, 3):
+        for k in range(3):
+            for _ in range(4):
+                pol.cost.observe(b * (1 + k), b, k, seconds(b, k))
     pol.acceptance.observe([2] * 50, [2] * 50)   # a good head
     assert pol.choose(1) == 2
-    # batch 16 is new: one cycle times it there. Its steps at k = 1 and 0 give up accepted drafts (regret
-    # 2 x (0.0014 + 0.0030) s against k = 2's 0.0198 s per token), so it waits until that is 2% of the
-    # time spent since: 8 steps of 0.0588 s
-    ks = [pol.choose(16) for _ in range(16)]
-    assert ks == [2] * 8 + [2, 2, 1, 1, 0, 0] + [2, 2], ks
-    assert pol.stats()["calibrated_buckets"] == [1, 2]   # the cycle's steps were timed by the engine, not here
-    assert [pol.choose(17) for _ in range(2)] == [2, 2]               # same bucket: no second cycle
-    assert [pol.choose(2) for _ in range(2)] == [2, 2]                # a bucket timed at every k: no cycle
+    assert best_k(pol.acceptance.rates(), pol.cost, 16, 2)[0] == 2   # what the fit over batches 1-3 says at 16
+    assert [pol.choose(16) for _ in range(6)] == [0, 0, 1, 1, 2, 2]     # k = 0 and the bucket's cycle at once
+    for k in range(3):   # the engine timed the cycle's steps
+        for b in (16, 20, 24):
+            pol.cost.observe(b * (1 + k), b, k, seconds(b, k))
+    assert pol.cost.covers(16)
+    assert [pol.choose(17) for _ in range(2)] == [2, 2]                 # its own fit: drafting pays here
+    assert [pol.choose(2) for _ in range(2)] == [2, 2]                  # a bucket timed at every k: no cycle
 
 
 def _costly_drafts(batches=(1, 4, 16, 64)) -> CostModel:
