@@ -485,6 +485,8 @@ def test_a_new_batch_bucket_drafts_only_once_it_was_timed_there_at_every_k():
     assert pol.choose(1) == 2
     assert best_k(pol.acceptance.rates(), pol.cost, 16, 2)[0] == 2   # what the fit over batches 1-3 says at 16
     assert [pol.choose(16) for _ in range(6)] == [0, 0, 1, 1, 2, 2]     # k = 0 and the bucket's cycle at once
+    assert pol.stats()["calibrated_buckets"] == [1, 2]   # the cycle's steps were timed by the engine, not here
+    assert not pol._queue and bucket(17) in pol._cycled  # same bucket: the cycle ran once, none is queued again
     for k in range(3):   # the engine timed the cycle's steps
         for b in (16, 20, 24):
             pol.cost.observe(b * (1 + k), b, k, seconds(b, k))
