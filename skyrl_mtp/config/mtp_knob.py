@@ -12,6 +12,10 @@ from omegaconf import DictConfig
 
 from skyrl_mtp.allowed import DRAFT_SAMPLE_METHODS
 from skyrl_mtp.config.errors import problem
+from skyrl_mtp.config.schema import MTPConfig
+
+DEFAULT_EXPLORE_BUDGET = MTPConfig.explore_budget
+MAX_EXPLORE_BUDGET = 0.5
 
 
 def mtp_problems(cfg: DictConfig) -> list[str]:
@@ -50,6 +54,15 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
         out.append(problem("trainer.mtp.idle_head_train_budget", budget,
                            "must be in (0, 1] (the share of each step's time spent keeping an idle head aligned; "
                            "0 would leave a head that stopped paying untrained for good)"))
+    explore = knob.explore_budget
+    if isinstance(explore, bool) or not (isinstance(explore, (int, float)) and 0.0 <= explore <= MAX_EXPLORE_BUDGET):
+        out.append(problem("trainer.mtp.explore_budget", explore,
+                           f"must be in [0, {MAX_EXPLORE_BUDGET}] (the share of the engines' time auto k may spend "
+                           "exploring; 0: only where exploring is predicted to cost nothing)"))
+    elif explore != DEFAULT_EXPLORE_BUDGET and knob.enabled and knob.num_speculative_tokens != "auto":
+        out.append(problem("trainer.mtp.explore_budget", explore,
+                           "applies only with trainer.mtp.num_speculative_tokens=auto (a fixed k explores "
+                           "nothing); leave it unset"))
     if knob.train_depths is not None and knob.train_depths < 1:
         out.append(problem("trainer.mtp.train_depths", knob.train_depths,
                            "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)"))

@@ -64,6 +64,11 @@ class MTPConfig:
     # while drafting saves nothing
     # (mtp/draft_depths.py). So an idle head costs at most this share of the run, on any model.
     idle_head_train_budget: float = 0.01
+    # num_speculative_tokens=auto: the share of the engines' time the choice of k may spend exploring (probes
+    # of other ks, challenges of a k that may be better, timing each new batch size at every k), charged at
+    # what each exploration is predicted to cost beyond the best k (rollout/adaptive_speculation.py). It is
+    # what lets the engines notice a head that got better; 0 explores only where that is predicted free.
+    explore_budget: float = 0.02
 
 
 @dataclass

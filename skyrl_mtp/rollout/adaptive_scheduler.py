@@ -17,6 +17,7 @@ on); the worker half (adaptive_speculation.install) follows the k it is sent.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,12 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
-from skyrl_mtp.rollout.adaptive_speculation import AdaptiveSpeculationError, SpeculationPolicy, _require
+from skyrl_mtp.rollout.adaptive_speculation import (
+    AdaptiveSpeculationError,
+    SpeculationPolicy,
+    _require,
+    explore_budget_from_env,
+)
 
 IDLE_GAP_S = 0.002
 
@@ -61,7 +67,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         _require("self.scheduler.reset_prefix_cache(" in inspect.getsource(EngineCore.reset_prefix_cache),
                  "EngineCore.reset_prefix_cache no longer calls the scheduler's (a weight sync would not reach "
                  "the acceptance estimate)")
-        self.policy = SpeculationPolicy(k_max=self.num_spec_tokens)
+        self.policy = SpeculationPolicy(k_max=self.num_spec_tokens, explore_budget=explore_budget_from_env(os.environ))
         self._step: _Step | None = None
         self._finished: _Step | None = None
         self._prev_k = -1

@@ -63,6 +63,9 @@ PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids")   # the leading ones:
 DRAFTER_PROPOSE_PARAMS = ("num_speculative_tokens", "common_attn_metadata")
 SAMPLE_PARAMS = ("logits", "spec_decode_metadata")
 STATE_FIELDS = ("spec_decode_metadata", "spec_decode_common_attn_metadata")
+# EngineConfig.explore_budget, set in the engine process's environment (rollout/engine.py) for the engine
+# core's scheduler, which vLLM builds from its own config alone (adaptive_scheduler.py)
+EXPLORE_BUDGET_ENV = "SKYRL_MTP_EXPLORE_BUDGET"
 
 
 class AdaptiveSpeculationError(RuntimeError):
@@ -585,8 +588,9 @@ class SpeculationPolicy:
     Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
     Probes and bucket calibrations share one budget: each runs only when its predicted regret (regret_seconds:
     the engine time its steps take beyond what the best k needs for the same expected tokens) is within
-    `explore_budget` of the engine time predicted since the last one. So exploring stays a small share of the
-    time both where a draft step costs many plain steps and where a shallower step gives up accepted drafts.
+    `explore_budget` of the engine time predicted since the last one (`trainer.mtp.explore_budget`; at 0 only
+    explorations predicted to cost nothing run). So exploring stays a small share of the time both where a
+    draft step costs many plain steps and where a shallower step gives up accepted drafts.
 
     Steady steps only: a probe, challenge or bucket calibration starts on a step that schedules decode tokens
     only (`choose(batch, steady=True)`), the one kind of step the engine times, and its queued steps are
@@ -632,6 +636,8 @@ class SpeculationPolicy:
     def __post_init__(self) -> None:
         if self.k_max < 1:
             raise ValueError(f"k_max={self.k_max}: adaptive speculation needs a maximum of at least 1")
+        if not 0.0 <= self.explore_budget <= 1.0:
+            raise ValueError(f"explore_budget={self.explore_budget}: a share of engine time in [0, 1]")
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(self.k_max)
         if self.cost is None:
@@ -828,7 +834,7 @@ class SpeculationPolicy:
         return saved
 
     def stats(self) -> dict[str, Any]:
-        return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
+        return {"steps": self.chosen_count, "explore_budget": self.explore_budget, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
                 "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
@@ -1012,6 +1018,22 @@ class _Hook:
                 "k_histogram": list(self.histogram),
                 "skipped_drafter_steps": self.skipped_drafter, "plain_sampled_steps": self.plain_sampled_steps,
                 "plain_steps": self.plain_steps, "draft_fetches": self.draft_fetches}
+
+
+def explore_budget_from_env(environ: Mapping[str, str]) -> float:
+    """The engine's exploration budget (EXPLORE_BUDGET_ENV, set by the engine process), or the policy's
+    default when the engine was built without it."""
+    raw = environ.get(EXPLORE_BUDGET_ENV)
+    if raw is None:
+        return SpeculationPolicy.explore_budget
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 0.5:
+        raise AdaptiveSpeculationError(f"{EXPLORE_BUDGET_ENV}={raw!r} is invalid: a share of engine time in [0, 0.5] "
+                                       "(trainer.mtp.explore_budget)")
+    return value
 
 
 def install(runner: Any) -> _Hook:

@@ -55,6 +55,9 @@ class EngineConfig:
     adaptive_speculation: num_speculative_tokens is then the MAXIMUM k; the k of each engine step is chosen
     from the running batch, live acceptance and timings measured on the engine
     (skyrl_mtp.rollout.adaptive_speculation), down to 0 (drafter not run).
+    explore_budget: with adaptive_speculation, the share of engine time that choice may spend exploring
+    (SpeculationPolicy.explore_budget); it reaches the engine core's scheduler through the engine
+    process's environment (engine.engine_environment).
     """
 
     model_path: str
@@ -73,6 +76,7 @@ class EngineConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     adaptive_speculation: bool = False
     draft_sample_method: str = "greedy"
+    explore_budget: float = 0.02
     # vLLM weight-transfer backend of the engines' workers, picked by rollout/weight_transfer/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
@@ -104,6 +108,9 @@ class EngineConfig:
                           "the draft-invariant coupling does not cover; vLLM's own rejection-sampling coupling is used "
                           "for them (lossless in distribution, but seeded spec rollouts no longer equal no-spec ones "
                           "token for token)", stacklevel=2)
+        e = self.explore_budget
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 <= e <= 0.5:
+            raise _bad("explore_budget", e, "a share of engine time in [0, 0.5]")
         if self.adaptive_speculation is True and k < 1:
             raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
         for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):

@@ -16,6 +16,7 @@ import logging
 import os
 from typing import Any
 
+from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, counters_from_vllm_metrics
@@ -36,6 +37,8 @@ def engine_environment(cfg: EngineConfig, engine_index: int, cpu_count: int | No
     """
     env = {CPU_SAMPLING_FIX_ENV: "1" if cfg.cpu_sampling_fix else "0",
            DRAFT_INVARIANT_SAMPLING_ENV: "1" if cfg.draft_invariant_sampling else "0"}
+    if cfg.adaptive_speculation:   # read by the engine core's scheduler (adaptive_scheduler.py)
+        env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
     if cfg.num_engines > 1 and cpu_count and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(engine_index % cpu_count)
     return env

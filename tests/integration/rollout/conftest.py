@@ -139,7 +139,7 @@ def engine_pool(ray_local, random_ckpt, oracle_ckpt):
         "k1_vllm_coupling": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=1,
                                                  draft_invariant_sampling=False, **SMALL),
         "auto": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=3,
-                                     adaptive_speculation=True, **SMALL),
+                                     adaptive_speculation=True, explore_budget=0.03, **SMALL),
         "k2": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=2, num_engines=2,
                                    engine_kwargs={"max_num_batched_tokens": 1536}, **SMALL),
     }

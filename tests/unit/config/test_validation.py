@@ -66,7 +66,7 @@ def test_batch_not_divisible_by_dp():
 def test_unknown_key_lists_allowed_keys_and_suggests():
     msg = _error("trainer.mtp.num_speculative_token=3")
     assert "trainer.mtp.num_speculative_token=3: unknown key (did you mean 'num_speculative_tokens'?)" in msg
-    assert "allowed keys under 'trainer.mtp': ['draft_in_rollouts', 'draft_sample_method', 'enabled', 'idle_head_train_budget', 'loss_depth_decay', 'loss_position_fraction', 'loss_type', 'loss_weight', 'max_speculative_tokens', 'num_speculative_tokens'" in msg
+    assert "allowed keys under 'trainer.mtp': ['draft_in_rollouts', 'draft_sample_method', 'enabled', 'explore_budget', 'idle_head_train_budget', 'loss_depth_decay', 'loss_position_fraction', 'loss_type', 'loss_weight', 'max_speculative_tokens', 'num_speculative_tokens'" in msg
 
 
 def test_unknown_top_level_key():

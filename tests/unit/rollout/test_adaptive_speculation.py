@@ -20,6 +20,7 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     bucket,
     dynamic_schedule,
     expected_tokens,
+    explore_budget_from_env,
     install,
     isotonic,
     regret_seconds,
@@ -516,6 +517,42 @@ def test_probes_wait_for_their_exploration_budget():
     assert probed == [6 + 801, 6 + 802], probed      # from the 801st step chosen by the model
 
 
+def test_a_probe_waits_as_long_as_the_exploration_budget_is_small_and_never_runs_at_zero():
+    def probed(budget):
+        pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=budget)
+        [pol.choose(4) for _ in range(6)]
+        pol.cost = _costly_drafts()
+        pol.acceptance.observe([2] * 50, [1] * 50)
+        return [i for i, k in enumerate((pol.choose(4) for _ in range(4000)), start=7) if k]
+    # the same probe as above (0.1602 s of regret): 2% of the time allows one per 801 steps, 4% per 401,
+    # 5% per 321; at 0 none runs (its regret is never covered)
+    assert probed(0.04)[:2] == [6 + 401, 6 + 402]
+    assert probed(0.05)[:2] == [6 + 321, 6 + 322]
+    assert probed(0.0) == []
+
+
+def test_explore_budget_reaches_the_engine_core_through_the_engine_environment():
+    from skyrl_mtp.config.build import engine_config
+    from skyrl_mtp.config.loader import load_config
+    from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
+    from skyrl_mtp.rollout.engine import engine_environment
+
+    cfg = load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=0.005"])
+    env = engine_environment(engine_config(cfg, "/tmp/model"), 0, 2)
+    assert explore_budget_from_env(env) == 0.005          # what the scheduler builds its policy with
+    default = engine_environment(engine_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto"]),
+                                               "/tmp/model"), 0, 2)
+    assert explore_budget_from_env(default) == 0.02 == SpeculationPolicy.explore_budget
+    fixed = engine_environment(engine_config(load_config(["recipe=tiny_dapo"]), "/tmp/model"), 0, 2)
+    assert EXPLORE_BUDGET_ENV not in fixed                 # a fixed k has no policy to give it to
+    assert explore_budget_from_env({}) == SpeculationPolicy.explore_budget
+    for bad in ("0.7", "-0.1", "lots", "nan"):
+        with pytest.raises(AdaptiveSpeculationError, match=f"{EXPLORE_BUDGET_ENV}='{bad}' is invalid"):
+            explore_budget_from_env({EXPLORE_BUDGET_ENV: bad})
+    with pytest.raises(ValueError, match="explore_budget=1.5"):
+        SpeculationPolicy(k_max=3, explore_budget=1.5)
+
+
 def test_explorations_start_on_steady_steps_and_stay_in_the_bucket_they_were_chosen_for():
     """Rollouts as an RL engine sees them: prompt steps while the requests arrive (not timed), decode steps at
     64 requests, then a tail at 8 and 2. With probes due at every chance, no exploration starts on a prompt
@@ -677,6 +714,12 @@ def test_auto_reaches_the_engine_config_with_its_maximum():
     (["trainer.mtp.num_speculative_tokens=banana"], "trainer.mtp.num_speculative_tokens='banana'"),
     (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.max_speculative_tokens=0"],
      "trainer.mtp.max_speculative_tokens=0"),
+    (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=0.9"],
+     "trainer.mtp.explore_budget=0.9 is invalid: must be in"),
+    (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=-0.01"],
+     "trainer.mtp.explore_budget=-0.01 is invalid"),
+    (["trainer.mtp.num_speculative_tokens=2", "trainer.mtp.explore_budget=0.01"],
+     "trainer.mtp.explore_budget=0.01 is invalid: applies only with trainer.mtp.num_speculative_tokens=auto"),
 ])
 def test_bad_speculation_keys_are_named(overrides, named):
     from skyrl_mtp.config.errors import ConfigError
