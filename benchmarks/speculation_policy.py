@@ -14,8 +14,13 @@ rollouts through the real SpeculationPolicy, without vLLM, and times exactly tho
   0.95: where it drafts k_max);
 - the weights change between rollouts (on_new_weights), as they do between RL steps.
 
-Prints a table and writes JSON: per acceptance, `us_per_step` (median over seeds of the policy's time per
-engine step), `share_of_step` (that over the modelled step time), `k_mean` and `k_histogram`.
+Prints a table and writes JSON: per acceptance and exploration budget (`--explore-budget`, as
+`trainer.mtp.explore_budget`), `us_per_step` (median over seeds of the policy's time per engine step),
+`share_of_step` (that over the modelled step time), `k_mean`, `k_histogram`, and what the choices cost
+against the best k for the modelled steps (`best_k_share`: the share of steps that ran it;
+`explore_regret_share` and `choice_regret_share`: the modelled time of the steps that explored, and of
+those the policy chose, beyond what the best k takes for the tokens they emitted, over all the time). The
+warm-up's cycles are left out of the regrets: every engine pays them once, whatever the budget.
 """
 
 from __future__ import annotations
@@ -30,10 +35,28 @@ from pathlib import Path
 from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
 
 
-def step_seconds(batch: int, k: int, rng: random.Random) -> float:
+def step_cost(batch: int, k: int) -> float:
     """A small model's engine step on CPU: ~2 ms fixed, 90 us per token verified (40% more per draft
-    position), 3 ms for running the drafter at all, up to 0.4 ms of noise."""
-    return 0.002 + 0.00009 * batch * (1 + 0.4 * k) + 0.003 * (k > 0) + 0.0004 * rng.random()
+    position), 3 ms for running the drafter at all (step_seconds adds up to 0.4 ms of noise)."""
+    return 0.002 + 0.00009 * batch * (1 + 0.4 * k) + 0.003 * (k > 0)
+
+
+def step_seconds(batch: int, k: int, rng: random.Random) -> float:
+    return step_cost(batch, k) + 0.0004 * rng.random()
+
+
+def best_k(batch: int, acceptance: float, k_max: int) -> int:
+    """The k with the most tokens per second of modelled time at this batch (every position accepted at
+    `acceptance`)."""
+    return max(range(k_max + 1), key=lambda k: sum(acceptance ** i for i in range(k + 1)) / step_cost(batch, k))
+
+
+def regret(batch: int, k: int, accepted: list[int], acceptance: float, k_max: int) -> float:
+    """Modelled time of a step at k beyond what the best k takes for the tokens it emitted."""
+    best = best_k(batch, acceptance, k_max)
+    per_token = step_cost(batch, best) / sum(acceptance ** i for i in range(best + 1))
+    tokens = 1.0 + (sum(accepted) / batch if accepted else 0.0)
+    return step_cost(batch, k) - per_token * tokens
 
 
 def drain(requests: int, rng: random.Random) -> list[int]:
@@ -41,18 +64,20 @@ def drain(requests: int, rng: random.Random) -> list[int]:
     return [sum(1 for n in lengths if n > t) for t in range(lengths[-1])]
 
 
-def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: int) -> dict:
+def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: int, explore_budget: float) -> dict:
     rng = random.Random(seed)
-    policy = SpeculationPolicy(k_max=k_max)
-    spent = modelled = 0.0
-    steps = 0
+    policy = SpeculationPolicy(k_max=k_max, explore_budget=explore_budget)
+    spent = modelled = explore_regret = choice_regret = after_warmup = 0.0
+    steps = at_best = 0
     for _ in range(rollouts):
         policy.on_new_weights()
         for batch in drain(requests, rng):
             accepted = []
+            explored = policy.explored_steps
             t0 = time.perf_counter()
             k = policy.choose(batch, True)
             spent += time.perf_counter() - t0
+            explored = policy.explored_steps > explored
             if k:
                 for _ in range(batch):   # accepted drafts are a prefix
                     n = 0
@@ -68,9 +93,18 @@ def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: in
             spent += time.perf_counter() - t0
             modelled += seconds
             steps += 1
+            at_best += k == best_k(batch, acceptance, k_max)
+            if policy.steps > policy.warmup_steps:
+                after_warmup += step_cost(batch, k)
+                r = regret(batch, k, accepted, acceptance, k_max)
+                if explored:
+                    explore_regret += r
+                else:
+                    choice_regret += r
     return {"us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
             "k_mean": policy.chosen_sum / policy.chosen_count, "k_histogram": list(policy.histogram),
-            "steps": steps}
+            "steps": steps, "best_k_share": at_best / steps, "explored_share": policy.explored_steps / steps,
+            "explore_regret_share": explore_regret / after_warmup, "choice_regret_share": choice_regret / after_warmup}
 
 
 def main() -> None:
@@ -80,25 +114,32 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--k-max", type=int, default=3)
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.6, 0.95])
+    ap.add_argument("--explore-budget", type=float, nargs="+", default=[SpeculationPolicy.explore_budget],
+                    help="exploration budgets to replay (trainer.mtp.explore_budget)")
     ap.add_argument("--quick", action="store_true", help="a few rollouts, for the smoke test")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.quick:
         args.rollouts, args.seeds = 4, 2
     rows = []
-    for acceptance in args.acceptance:
-        runs = [replay(seed, args.rollouts, args.requests, acceptance, args.k_max) for seed in range(args.seeds)]
-        rows.append({"acceptance": acceptance,
+    for acceptance, budget in ((a, b) for a in args.acceptance for b in args.explore_budget):
+        runs = [replay(seed, args.rollouts, args.requests, acceptance, args.k_max, budget)
+                for seed in range(args.seeds)]
+        rows.append({"acceptance": acceptance, "explore_budget": budget,
                      "us_per_step": statistics.median(r["us_per_step"] for r in runs),
                      "us_per_step_per_seed": [round(r["us_per_step"], 2) for r in runs],
                      "share_of_step": statistics.median(r["share_of_step"] for r in runs),
                      "k_mean": statistics.mean(r["k_mean"] for r in runs),
                      "k_histogram": [sum(r["k_histogram"][k] for r in runs) for k in range(args.k_max + 1)],
-                     "steps": sum(r["steps"] for r in runs)})
-    print(f"{'acceptance':>10} {'us/step':>9} {'share':>7} {'k_mean':>7}  k_histogram")
+                     "steps": sum(r["steps"] for r in runs),
+                     **{key: statistics.mean(r[key] for r in runs)
+                        for key in ("best_k_share", "explored_share", "explore_regret_share", "choice_regret_share")}})
+    print(f"{'acceptance':>10} {'budget':>7} {'us/step':>9} {'share':>7} {'k_mean':>7} {'at best':>8} {'explored':>9} "
+          f"{'explore regret':>15} {'choice regret':>14}  k_histogram")
     for r in rows:
-        print(f"{r['acceptance']:>10.2f} {r['us_per_step']:>9.1f} {r['share_of_step']:>7.2%} {r['k_mean']:>7.2f}  "
-              f"{r['k_histogram']}")
+        print(f"{r['acceptance']:>10.2f} {r['explore_budget']:>7.3f} {r['us_per_step']:>9.1f} {r['share_of_step']:>7.2%} "
+              f"{r['k_mean']:>7.2f} {r['best_k_share']:>8.1%} {r['explored_share']:>9.2%} "
+              f"{r['explore_regret_share']:>15.2%} {r['choice_regret_share']:>14.2%}  {r['k_histogram']}")
     if args.json:
         args.json.write_text(json.dumps({"rollouts": args.rollouts, "requests": args.requests, "seeds": args.seeds,
                                          "k_max": args.k_max, "rows": rows}, indent=1))

@@ -1,10 +1,12 @@
-"""RL step time on the tiny default, split into generate / reward / train / sync, for four set-ups:
+"""RL step time on the tiny default, split into generate / reward / train / sync, for these set-ups:
 
 - spec_auto:      the product with trainer.mtp.num_speculative_tokens=auto: k per engine step chosen from
                   the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py);
                   the head trains the depths the engines drafted, as often as their drafts' savings
                   plus trainer.mtp.idle_head_train_budget of the step time pay for (head_depths,
                   head_trained_share, and head_cost_s: its training and push per measured step),
+- spec_auto_no_explore: the same with trainer.mtp.explore_budget=0: the engines explore only where it
+                  is predicted to cost nothing (the price of watching for a head that got better),
 - spec_mtp_train: MTP speculative decoding with the draft head trained, fixed k (the recipe's),
 - spec_vllm_coupling: the same with vLLM's own rejection-sampling coupling instead of the
                   draft-invariant one (generator.draft_invariant_sampling=false): the price of the
@@ -52,6 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SETUPS = {
     "spec_auto": ["trainer.mtp.num_speculative_tokens=auto"],
+    "spec_auto_no_explore": ["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=0"],
     "spec_mtp_train": [],
     "spec_vllm_coupling": ["generator.draft_invariant_sampling=false"],
     "spec_no_train": ["trainer.mtp.loss_weight=0.0"],
@@ -161,7 +164,7 @@ def normalised_ratio(spec_runs: list[list[float]], base_runs: list[list[float]],
     return total(spec_runs) / total(spec_ref) / (total(base_runs) / total(base_ref))
 
 
-HEADLINE_SETUPS = ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling")
+HEADLINE_SETUPS = ("spec_auto", "spec_mtp_train", "spec_no_train", "spec_vllm_coupling", "spec_auto_no_explore")
 ROW_MEANS = ("acceptance", "tokens_per_s", "reward", "k_mean", "head_depths", "head_trained_share", "head_cost_s")
 
 
@@ -198,11 +201,11 @@ def print_rows(rows: list[dict]) -> None:
                   "of the step)")
 
 
-def headline_ratios(per_step: dict[str, list[dict]]) -> dict:
+def headline_ratios(per_step: dict[str, list[dict]], spec: str | None = None) -> dict:
     """The headline figures from the runs' per-step times (`per_step`: set-up -> one {phase: times} per
-    run, run i of every set-up one repeat): the product set-up (auto k when measured, else the fixed-k one)
-    over no_spec, raw and speed-normalised, each with its bootstrap interval, and per repeat."""
-    spec = next((n for n in HEADLINE_SETUPS if n in per_step), None)
+    run, run i of every set-up one repeat): the product set-up (auto k when measured, else the fixed-k one;
+    or `spec`) over no_spec, raw and speed-normalised, each with its bootstrap interval, and per repeat."""
+    spec = spec or next((n for n in HEADLINE_SETUPS if n in per_step), None)
     headline: dict = {"spec_setup": spec, "step_ratio_spec_over_nospec": None, "generate_ratio_spec_over_nospec": None}
     if spec is None:
         return headline
@@ -248,6 +251,12 @@ def print_headline(h: dict) -> None:
                                           for r in h["repeat_ratios"]))
 
 
+def other_ratios(per_step: dict[str, list[dict]], headline: dict) -> dict:
+    """headline_ratios of every other spec set-up measured, over the same no_spec runs."""
+    return {name: headline_ratios(per_step, name) for name in HEADLINE_SETUPS
+            if name in per_step and name != headline["spec_setup"]}
+
+
 def pool_results(docs: list[tuple[str, dict]]) -> dict:
     """Several earlier invocations' JSON (`--json` output; (name, document) pairs) as one: their repeats
     side by side, as if one invocation had run them all. They must agree on `steps`, `skip` and the
@@ -289,8 +298,9 @@ def pool_results(docs: list[tuple[str, dict]]) -> dict:
             vals = [(r.get(key), w) for r, w in parts]
             row[key] = None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals) / n
         rows.append(row)
+    headline = headline_ratios(per_step)
     return {"steps": first["steps"], "skip": first["skip"], "repeats": len(per_step["no_spec"]),
-            "pooled_from": [name for name, _ in docs], **headline_ratios(per_step),
+            "pooled_from": [name for name, _ in docs], **headline, "other_setups": other_ratios(per_step, headline),
             "rows": with_ratios_to_no_spec(rows),
             "per_step": per_step}
 
@@ -333,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pooled {pooled['repeats']} repeats of {pooled['steps']} steps from {len(docs)} file(s)")
         print_rows(pooled["rows"])
         print_headline(pooled)
+        for other in pooled["other_setups"].values():
+            print_headline(other)
         if a.json:
             a.json.write_text(json.dumps(pooled, indent=2))
         return 0
@@ -360,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     per_step = {name: [{p: step_times(run, a.skip, p) for p in (*PHASES, REFERENCE)} for run in rs]
                 for name, rs in runs.items()}
     headline = headline_ratios(per_step)
+    others = other_ratios(per_step, headline)
     print_headline(headline)
+    for other in others.values():
+        print_headline(other)
     if a.json:
         a.json.write_text(json.dumps({"steps": a.steps, "skip": a.skip, "repeats": a.repeats, **headline,
-                                      "rows": rows, "per_step": per_step}, indent=2))
+                                      "other_setups": others, "rows": rows, "per_step": per_step}, indent=2))
     return 0
 
 

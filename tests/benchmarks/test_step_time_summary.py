@@ -186,3 +186,18 @@ def test_the_pool_command_reads_files_and_writes_the_pooled_json(tmp_path, capsy
     with pytest.raises(SystemExit):
         step_time.main(["--steps", "30", "--repeats", "2", "--pool", *map(str, files)])
     assert "--pool runs nothing, so ['--steps', '--repeats'] would be ignored" in capsys.readouterr().err
+
+
+def test_every_other_spec_setup_gets_its_own_ratios_over_the_same_no_spec_runs():
+    runs = {"spec_auto": [[1.2, 1.1, 1.3], [1.0, 1.1, 1.0]], "spec_auto_no_explore": [[1.0, 1.0, 1.2], [0.9, 1.0, 1.0]],
+            "no_spec": [[1.0, 1.0, 1.1], [1.0, 0.9, 1.0]]}
+    per_step = _doc(runs)["per_step"]
+    headline = step_time.headline_ratios(per_step)
+    others = step_time.other_ratios(per_step, headline)
+    assert headline["spec_setup"] == "spec_auto" and list(others) == ["spec_auto_no_explore"]
+    lean = others["spec_auto_no_explore"]
+    alone = step_time.headline_ratios({s: per_step[s] for s in ("spec_auto_no_explore", "no_spec")})
+    assert lean == alone and lean["spec_setup"] == "spec_auto_no_explore"
+    assert lean["step_ratio_spec_over_nospec"] == pytest.approx(6.1 / 6.0)
+    pooled = step_time.pool_results([("a.json", _doc(runs))])
+    assert pooled["other_setups"]["spec_auto_no_explore"]["step_ratio_spec_over_nospec"] == pytest.approx(6.1 / 6.0)
