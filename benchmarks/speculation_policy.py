@@ -1,4 +1,4 @@
-"""What auto k's own bookkeeping costs the engine core per engine step, on replayed rollouts.
+"""What auto k's policy costs per engine step (its own CPU, and its choices' regret against the best k), on replayed rollouts.
 
 Under trainer.mtp.num_speculative_tokens=auto the engine core's scheduler asks the speculation policy
 (rollout/adaptive_speculation.py) for k before every step and feeds it the step's timing and, after a
@@ -21,6 +21,11 @@ against the best k for the modelled steps (`best_k_share`: the share of steps th
 `explore_regret_share` and `choice_regret_share`: the modelled time of the steps that explored, and of
 those the policy chose, beyond what the best k takes for the tokens they emitted, over all the time). The
 warm-up's cycles are left out of the regrets: every engine pays them once, whatever the budget.
+
+`--head-improves-at R`: the head is untrained (acceptance 0) for the first R rollouts and accepted at
+`--acceptance` from then on, as when training makes it pay; `rollouts_to_follow_per_seed` counts the
+rollouts from R until one ran the best k on at least half its steps (None: not within `--rollouts`). That
+is what the exploration budget buys.
 """
 
 from __future__ import annotations
@@ -64,13 +69,17 @@ def drain(requests: int, rng: random.Random) -> list[int]:
     return [sum(1 for n in lengths if n > t) for t in range(lengths[-1])]
 
 
-def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: int, explore_budget: float) -> dict:
+def replay(seed: int, rollouts: int, requests: int, final_acceptance: float, k_max: int, explore_budget: float,
+           improves_at: int = 0) -> dict:
     rng = random.Random(seed)
     policy = SpeculationPolicy(k_max=k_max, explore_budget=explore_budget)
     spent = modelled = explore_regret = choice_regret = after_warmup = 0.0
     steps = at_best = 0
-    for _ in range(rollouts):
+    follows_after = None
+    for rollout in range(rollouts):
         policy.on_new_weights()
+        acceptance = final_acceptance if rollout >= improves_at else 0.0
+        rollout_steps = rollout_at_best = 0
         for batch in drain(requests, rng):
             accepted = []
             explored = policy.explored_steps
@@ -94,6 +103,8 @@ def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: in
             modelled += seconds
             steps += 1
             at_best += k == best_k(batch, acceptance, k_max)
+            rollout_steps += 1
+            rollout_at_best += k == best_k(batch, acceptance, k_max)
             if policy.steps > policy.warmup_steps:
                 after_warmup += step_cost(batch, k)
                 r = regret(batch, k, accepted, acceptance, k_max)
@@ -101,7 +112,9 @@ def replay(seed: int, rollouts: int, requests: int, acceptance: float, k_max: in
                     explore_regret += r
                 else:
                     choice_regret += r
-    return {"us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
+        if follows_after is None and rollout >= improves_at and rollout_at_best >= 0.5 * rollout_steps:
+            follows_after = rollout - improves_at
+    return {"rollouts_to_follow": follows_after,"us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
             "k_mean": policy.chosen_sum / policy.chosen_count, "k_histogram": list(policy.histogram),
             "steps": steps, "best_k_share": at_best / steps, "explored_share": policy.explored_steps / steps,
             "explore_regret_share": explore_regret / after_warmup, "choice_regret_share": choice_regret / after_warmup}
@@ -116,6 +129,9 @@ def main() -> None:
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.6, 0.95])
     ap.add_argument("--explore-budget", type=float, nargs="+", default=[SpeculationPolicy.explore_budget],
                     help="exploration budgets to replay (trainer.mtp.explore_budget)")
+    ap.add_argument("--head-improves-at", type=int, default=0, metavar="R",
+                    help="the head is untrained (acceptance 0) before rollout R, then accepted at --acceptance: "
+                         "rollouts_to_follow counts the rollouts from R until one ran the best k on half its steps")
     ap.add_argument("--quick", action="store_true", help="a few rollouts, for the smoke test")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -123,7 +139,7 @@ def main() -> None:
         args.rollouts, args.seeds = 4, 2
     rows = []
     for acceptance, budget in ((a, b) for a in args.acceptance for b in args.explore_budget):
-        runs = [replay(seed, args.rollouts, args.requests, acceptance, args.k_max, budget)
+        runs = [replay(seed, args.rollouts, args.requests, acceptance, args.k_max, budget, args.head_improves_at)
                 for seed in range(args.seeds)]
         rows.append({"acceptance": acceptance, "explore_budget": budget,
                      "us_per_step": statistics.median(r["us_per_step"] for r in runs),
@@ -132,6 +148,7 @@ def main() -> None:
                      "k_mean": statistics.mean(r["k_mean"] for r in runs),
                      "k_histogram": [sum(r["k_histogram"][k] for r in runs) for k in range(args.k_max + 1)],
                      "steps": sum(r["steps"] for r in runs),
+                     "rollouts_to_follow_per_seed": [r["rollouts_to_follow"] for r in runs],
                      **{key: statistics.mean(r[key] for r in runs)
                         for key in ("best_k_share", "explored_share", "explore_regret_share", "choice_regret_share")}})
     print(f"{'acceptance':>10} {'budget':>7} {'us/step':>9} {'share':>7} {'k_mean':>7} {'at best':>8} {'explored':>9} "
@@ -140,9 +157,15 @@ def main() -> None:
         print(f"{r['acceptance']:>10.2f} {r['explore_budget']:>7.3f} {r['us_per_step']:>9.1f} {r['share_of_step']:>7.2%} "
               f"{r['k_mean']:>7.2f} {r['best_k_share']:>8.1%} {r['explored_share']:>9.2%} "
               f"{r['explore_regret_share']:>15.2%} {r['choice_regret_share']:>14.2%}  {r['k_histogram']}")
+    if args.head_improves_at:
+        print(f"head accepted from rollout {args.head_improves_at}: rollouts until one ran the best k on half its "
+              "steps, per seed (None: not within --rollouts)")
+        for r in rows:
+            print(f"  acceptance {r['acceptance']:.2f}, budget {r['explore_budget']:.3f}: {r['rollouts_to_follow_per_seed']}")
     if args.json:
         args.json.write_text(json.dumps({"rollouts": args.rollouts, "requests": args.requests, "seeds": args.seeds,
-                                         "k_max": args.k_max, "rows": rows}, indent=1))
+                                         "k_max": args.k_max, "head_improves_at": args.head_improves_at,
+                                         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ EXPECTED = {
                                    "runner_ms_per_step"}),
     "speculation_policy.py": ({"rows", "k_max"}, {"acceptance", "explore_budget", "us_per_step", "share_of_step", "k_mean",
                                                   "k_histogram", "best_k_share", "explore_regret_share",
-                                                  "choice_regret_share"}),
+                                                  "choice_regret_share", "rollouts_to_follow_per_seed"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
