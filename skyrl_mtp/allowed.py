@@ -35,6 +35,18 @@ MTP_LOSS_CHUNK_SIZE_ALLOWED = ("an int >= 0 (tokens per chunk of the draft loss;
                                f"(as many tokens as keep a chunk's logits at {MTP_LOSS_CHUNK_AUTO_ELEMENTS} elements)")
 
 
+# The exploration budget of auto k (trainer.mtp.explore_budget, EngineConfig.explore_budget and the engine
+# core's SpeculationPolicy): a share of the engines' time.
+DEFAULT_EXPLORE_BUDGET = 0.02
+MAX_EXPLORE_BUDGET = 0.5
+EXPLORE_BUDGET_ALLOWED = f"a share of engine time in [0, {MAX_EXPLORE_BUDGET}]"
+
+
+def is_explore_budget(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0.0 <= value <= MAX_EXPLORE_BUDGET)
+
+
 def is_chunk_size(value: Any) -> bool:
     """A valid draft-loss chunk size: an int >= 0, or "auto"."""
     return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from skyrl_mtp.allowed import DRAFT_SAMPLE_METHODS
+from skyrl_mtp.allowed import (
+    DEFAULT_EXPLORE_BUDGET,
+    DRAFT_SAMPLE_METHODS,
+    EXPLORE_BUDGET_ALLOWED,
+    is_explore_budget,
+)
 from skyrl_mtp.config.errors import problem
-from skyrl_mtp.config.schema import MTPConfig
-
-DEFAULT_EXPLORE_BUDGET = MTPConfig.explore_budget
-MAX_EXPLORE_BUDGET = 0.5
 
 
 def mtp_problems(cfg: DictConfig) -> list[str]:
@@ -55,9 +56,9 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
                            "must be in (0, 1] (the share of each step's time spent keeping an idle head aligned; "
                            "0 would leave a head that stopped paying untrained for good)"))
     explore = knob.explore_budget
-    if isinstance(explore, bool) or not (isinstance(explore, (int, float)) and 0.0 <= explore <= MAX_EXPLORE_BUDGET):
+    if not is_explore_budget(explore):
         out.append(problem("trainer.mtp.explore_budget", explore,
-                           f"must be in [0, {MAX_EXPLORE_BUDGET}] (the share of the engines' time auto k may spend "
+                           f"must be {EXPLORE_BUDGET_ALLOWED} (the share of the engines' time auto k may spend "
                            "exploring; 0: only where exploring is predicted to cost nothing)"))
     elif explore != DEFAULT_EXPLORE_BUDGET and knob.enabled and knob.num_speculative_tokens != "auto":
         out.append(problem("trainer.mtp.explore_budget", explore,

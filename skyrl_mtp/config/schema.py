@@ -13,6 +13,7 @@ from typing import Any
 
 from skyrl_mtp.allowed import (  # noqa: F401 - re-exported: the one allowed-values table
     ADVANTAGE_ESTIMATORS,
+    DEFAULT_EXPLORE_BUDGET,
     DEFAULT_MTP_LOSS_CHUNK_SIZE,
     DRAFT_LOSS_TYPES,
     DTYPES,
@@ -68,7 +69,7 @@ class MTPConfig:
     # of other ks, challenges of a k that may be better, timing each new batch size at every k), charged at
     # what each exploration is predicted to cost beyond the best k (rollout/adaptive_speculation.py). It is
     # what lets the engines notice a head that got better; 0 explores only where that is predicted free.
-    explore_budget: float = 0.02
+    explore_budget: float = DEFAULT_EXPLORE_BUDGET
 
 
 @dataclass

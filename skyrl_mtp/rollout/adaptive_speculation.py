@@ -56,6 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, is_explore_budget
+
 logger = logging.getLogger(__name__)
 
 PROPOSE_PARAMS = ("scheduler_output", "sampled_token_ids")   # the leading ones: the hook reads these, passes the rest
@@ -605,7 +607,7 @@ class SpeculationPolicy:
     probe_every_max: int = 512
     min_gain: float = 0.1
     calibrate_within: float = 0.25
-    explore_budget: float = 0.02
+    explore_budget: float = DEFAULT_EXPLORE_BUDGET
     challenge_every: int = 4
     refresh_attempts: float = 16.0
     acceptance: AcceptanceEstimate = None  # type: ignore[assignment]
@@ -834,8 +836,8 @@ class SpeculationPolicy:
         return saved
 
     def stats(self) -> dict[str, Any]:
-        return {"steps": self.chosen_count, "explore_budget": self.explore_budget, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
-                "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
+        return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
+                "explore_budget": self.explore_budget, "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
                 "calibrated_buckets": self.cost.covered_buckets(), "seconds_saved": self.seconds_saved}
@@ -1025,13 +1027,13 @@ def explore_budget_from_env(environ: Mapping[str, str]) -> float:
     default when the engine was built without it."""
     raw = environ.get(EXPLORE_BUDGET_ENV)
     if raw is None:
-        return SpeculationPolicy.explore_budget
+        return DEFAULT_EXPLORE_BUDGET
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not 0.0 <= value <= 0.5:
-        raise AdaptiveSpeculationError(f"{EXPLORE_BUDGET_ENV}={raw!r} is invalid: a share of engine time in [0, 0.5] "
+    if not is_explore_budget(value):
+        raise AdaptiveSpeculationError(f"{EXPLORE_BUDGET_ENV}={raw!r} is invalid: {EXPLORE_BUDGET_ALLOWED} "
                                        "(trainer.mtp.explore_budget)")
     return value
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, is_explore_budget
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 # vLLM engine arguments this project sets itself; `engine_kwargs` may not override them.
@@ -76,7 +78,7 @@ class EngineConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     adaptive_speculation: bool = False
     draft_sample_method: str = "greedy"
-    explore_budget: float = 0.02
+    explore_budget: float = DEFAULT_EXPLORE_BUDGET
     # vLLM weight-transfer backend of the engines' workers, picked by rollout/weight_transfer/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
@@ -108,9 +110,8 @@ class EngineConfig:
                           "the draft-invariant coupling does not cover; vLLM's own rejection-sampling coupling is used "
                           "for them (lossless in distribution, but seeded spec rollouts no longer equal no-spec ones "
                           "token for token)", stacklevel=2)
-        e = self.explore_budget
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 <= e <= 0.5:
-            raise _bad("explore_budget", e, "a share of engine time in [0, 0.5]")
+        if not is_explore_budget(self.explore_budget):
+            raise _bad("explore_budget", self.explore_budget, EXPLORE_BUDGET_ALLOWED)
         if self.adaptive_speculation is True and k < 1:
             raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
         for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):

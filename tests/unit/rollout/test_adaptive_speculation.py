@@ -715,7 +715,7 @@ def test_auto_reaches_the_engine_config_with_its_maximum():
     (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.max_speculative_tokens=0"],
      "trainer.mtp.max_speculative_tokens=0"),
     (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=0.9"],
-     "trainer.mtp.explore_budget=0.9 is invalid: must be in"),
+     "trainer.mtp.explore_budget=0.9 is invalid: must be a share of engine time in"),
     (["trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=-0.01"],
      "trainer.mtp.explore_budget=-0.01 is invalid"),
     (["trainer.mtp.num_speculative_tokens=2", "trainer.mtp.explore_budget=0.01"],
