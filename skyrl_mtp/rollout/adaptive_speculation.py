@@ -290,37 +290,6 @@ class LineTable:
         self._pairs = [list(zip(*cols)) for cols in zip(pp.tolist(), pq.tolist(), qq.tolist(), *rows.same,
                                                          *rows.explored(tuple(sol.seen)))]
 
-    def predict(self, b: float, i: int) -> float:
-        """predict(x_i(b)) alone."""
-        return self._a[i] + b * self._c[i]
-
-    def first_row_unbeatable(self, lo: float, hi: float, tokens: list[float]) -> bool:
-        """True when, at every b in [lo, hi], the predictions of rows 0..len(tokens)-1 are positive and
-        non-decreasing, and for each row k > 0, tokens[k] / (prediction_k - difference_sd(k, 0)) stays below
-        tokens[0] / prediction_0: row k does not beat row 0 in tokens per second even with its cost one
-        standard error lower. Checked at lo and hi only, which covers the interval: the predictions are linear
-        in b, and tokens[k] * prediction_0 - prediction_k + difference_sd(k, 0) is convex in b (linear plus
-        the norm of a linear function of b), so it is largest at an end. False wherever a standard error
-        is unknown (infinite)."""
-        if math.isinf(self.variance):
-            return False
-        pairs = self._pairs[0]
-        for b in (lo, hi):
-            preds = [a + b * c for a, c in zip(self._a[:len(tokens)], self._c)]
-            if preds[0] <= 1e-6 or any(p1 < p0 for p0, p1 in zip(preds, preds[1:])):
-                return False
-            for k in range(1, len(tokens)):
-                pp, pq, qq, same, _, explored, _ = pairs[k]
-                if same:
-                    sd = 0.0
-                elif explored:
-                    sd = math.sqrt(max(pp + 2.0 * b * pq + b * b * qq, 0.0) * self.variance)
-                else:
-                    return False
-                if tokens[k] * preds[0] - preds[k] + sd > -1e-9 * preds[k]:
-                    return False
-        return True
-
     def at(self, b: float) -> tuple[list[float], list[list[float]]]:
         """predict(x_i(b)) for each row, and difference_sd(x_i(b), x_j(b)) for every pair."""
         preds = [a + b * c for a, c in zip(self._a, self._c)]
@@ -472,22 +441,6 @@ class CostModel:
     def step_seconds(self, batch: int, k: int) -> float:
         """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
         return self.table(batch).seconds[k]
-
-    def point_seconds(self, batch: int, k: int) -> float:
-        """step_seconds(batch, k), read off the fit's lines without the standard errors of the full table."""
-        fit = self._fit(batch)
-        return max(self._lines(fit, fit.solves()).predict(float(batch), k), 1e-6)
-
-    def plain_settled(self, lo: int, hi: int, tokens: list[float]) -> bool:
-        """No k > 0 can beat k = 0 at any batch size from lo to hi (one bucket), even at its cost one standard
-        error lower, for `tokens` (expected tokens per request at each k), and the predicted costs are
-        non-decreasing in k there: so best_k, with k = 0 the incumbent, picks k = 0 and plausible_rival finds
-        no rival at any of them (LineTable.first_row_unbeatable). A rollout's tail meets a new batch size every
-        step or two; this answers them without building each one's table."""
-        if bucket(lo) != bucket(hi) or lo > hi:
-            raise ValueError(f"plain_settled: {lo}..{hi} is not a range inside one batch bucket")
-        fit = self._fit(lo)
-        return self._lines(fit, fit.solves()).first_row_unbeatable(float(lo), float(hi), tokens)
 
     def step_sd(self, batch: int, k: int) -> float:
         """Standard error of step_seconds(batch, k)."""
@@ -678,8 +631,6 @@ class SpeculationPolicy:
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
     _memo: tuple[tuple, tuple[int, int]] | None = None
-    _settled: tuple[tuple, bool] | None = None
-    _largest: dict[int, int] = field(default_factory=dict)    # per bucket: the largest batch size met in it
     _next_challenge_at: int = 0
     _challenge_gap: int = 0
     seconds_saved: float = 0.0     # engine seconds the verified drafts saved (credit_verified; may be < 0)
@@ -751,7 +702,7 @@ class SpeculationPolicy:
                 self._challenge_gap = self.challenge_every
                 self._next_probe_at = min(self._next_probe_at or self.steps + self._interval,
                                           self.steps + self._interval)
-            self._spent += self.cost.point_seconds(max(batch, 1), k)
+            self._spent += self.cost.step_seconds(max(batch, 1), k)
             rival = self._memo[1][1] if self._memo else -1
             if steady and rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
                 k = self._challenge(k, rival, max(batch, 1))
@@ -771,28 +722,12 @@ class SpeculationPolicy:
         b = bucket(batch)
         key = (batch, self._incumbent.get(b, 0), self.cost.state(batch), self.acceptance, self.acceptance.version)
         if self._memo is None or self._memo[0] != key:
-            if key[1] == 0 and self._plain_settled(b, batch, key):
-                self._memo = (key, (0, -1))   # what the full computation below gives, without its table
-                return 0
             alphas = self.acceptance.rates()
             best, rates = best_k(alphas, self.cost, batch, self.k_max, key[1])
             if best and not self.cost.covers(batch):
                 best = 0   # drafting is adopted on this batch size's own timings only, never extrapolated
             self._memo = (key, (best, plausible_rival(alphas, self.cost, batch, self.k_max, best, rates)))
         return self._memo[1][0]
-
-    def _plain_settled(self, b: int, batch: int, key: tuple) -> bool:
-        """CostModel.plain_settled over this bucket's batch sizes up to the largest met in it (an engine's
-        largest bucket may hold a single one: its maximum number of sequences), asked once per solve of the
-        bucket's fit and acceptance update: the answer holds for every batch size in that range."""
-        top = max(self._largest.get(b, 0), batch)
-        self._largest[b] = top
-        bucket_key = (b, top, key[2], key[3], key[4])
-        if self._settled is None or self._settled[0] != bucket_key:
-            alphas = self.acceptance.rates()
-            tokens = [expected_tokens(alphas, k) for k in range(self.k_max + 1)]
-            self._settled = (bucket_key, self.cost.plain_settled(1 << (b - 1), top, tokens))
-        return self._settled[1]
 
     def _calibration_due(self, batch: int) -> bool:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain

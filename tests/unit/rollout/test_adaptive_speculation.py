@@ -23,7 +23,6 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     explore_budget_from_env,
     install,
     isotonic,
-    plausible_rival,
     regret_seconds,
     step_features,
     step_savings,
@@ -863,57 +862,3 @@ def test_a_rollouts_tail_gets_every_bucket_timed_and_stops_drafting_where_it_doe
     # a bucket's choice is its own: the tail moving through buckets is not the choice moving, so the probes
     # keep backing off
     assert sum(s[3] for s in late) <= 0.02 * len(late), sum(s[3] for s in late)
-
-
-@pytest.mark.parametrize("alphas", [[0.75, 0.6, 0.5], [0.3, 0.2, 0.1], [0.95, 0.9, 0.9]])
-def test_the_tails_shortcut_to_k0_gives_exactly_the_full_choice(alphas, monkeypatch):
-    # the rollout's tail meets a new batch size every step or two; where no k > 0 can beat k = 0 anywhere in
-    # the bucket even one standard error in its favour, the policy answers without building the batch's
-    # table. It must choose what the full computation chooses, step for step, and fire often enough to matter
-    def run(shortcut: bool) -> tuple[list, int]:
-        pol = SpeculationPolicy(k_max=3)
-        fired = 0
-        if not shortcut:
-            monkeypatch.setattr(pol, "_plain_settled", lambda *a: False)
-        else:
-            orig = pol._plain_settled
-
-            def counted(*a):
-                nonlocal fired
-                got = orig(*a)
-                fired += got
-                return got
-            monkeypatch.setattr(pol, "_plain_settled", counted)
-        steps = _rl_rollouts(pol, random.Random(3), alphas, 30, _tiny_default_step)
-        return [(b, k) for _, b, k, _ in steps], fired
-    with_shortcut, fired = run(True)
-    without, _ = run(False)
-    assert with_shortcut == without
-    if alphas[0] < 0.9:
-        assert fired > 50, fired
-
-
-def test_the_bucket_check_agrees_with_best_k_and_the_rival_at_every_batch():
-    rng = random.Random(5)
-    cost = CostModel(3)
-    for _ in range(6):    # every batch size timed at every k, a little noise: tight fits in every bucket
-        for batch in range(1, 65):
-            for k in range(4):
-                cost.observe(batch * (1 + k), batch, k, _tiny_default_step(batch, k) * math.exp(rng.gauss(0.0, 0.02)))
-    settled = {}
-    for alphas in ([0.75, 0.6, 0.5], [0.2, 0.1, 0.1], [0.99, 0.99, 0.99], [0.9, 0.8, 0.8]):
-        tokens = [expected_tokens(alphas, k) for k in range(4)]
-        for batch in range(1, 65):
-            best, rates = best_k(alphas, cost, batch, 3, 0)
-            rival = plausible_rival(alphas, cost, batch, 3, 0, rates)
-            lo = 1 << (bucket(batch) - 1)
-            if cost.plain_settled(lo, min(2 * lo - 1, 64), tokens):
-                settled[tuple(alphas)] = settled.get(tuple(alphas), 0) + 1
-                assert best == 0 and rival == -1, (alphas, batch)
-            assert cost.point_seconds(batch, 2) == cost.step_seconds(batch, 2)
-    # k = 0 wins beyond doubt at every batch for the poor heads; where drafting pays (small batches at 0.99)
-    # or could (0.9 / 0.8 near the break-even), the full computation decides
-    assert settled[(0.75, 0.6, 0.5)] == 64 and settled[(0.2, 0.1, 0.1)] == 64, settled
-    assert settled.get((0.99, 0.99, 0.99), 0) < 64 and settled.get((0.9, 0.8, 0.8), 0) < 64, settled
-    with pytest.raises(ValueError, match="one batch bucket"):
-        cost.plain_settled(4, 8, [1.0, 1.5, 1.8, 2.0])
