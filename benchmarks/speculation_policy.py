@@ -56,9 +56,8 @@ def best_k(batch: int, acceptance: float, k_max: int) -> int:
     return max(range(k_max + 1), key=lambda k: sum(acceptance ** i for i in range(k + 1)) / step_cost(batch, k))
 
 
-def regret(batch: int, k: int, accepted: list[int], acceptance: float, k_max: int) -> float:
-    """Modelled time of a step at k beyond what the best k takes for the tokens it emitted."""
-    best = best_k(batch, acceptance, k_max)
+def regret(batch: int, k: int, accepted: list[int], acceptance: float, best: int) -> float:
+    """Modelled time of a step at k beyond what the best k (best_k) takes for the tokens it emitted."""
     per_token = step_cost(batch, best) / sum(acceptance ** i for i in range(best + 1))
     tokens = 1.0 + (sum(accepted) / batch if accepted else 0.0)
     return step_cost(batch, k) - per_token * tokens
@@ -102,19 +101,20 @@ def replay(seed: int, rollouts: int, requests: int, final_acceptance: float, k_m
             spent += time.perf_counter() - t0
             modelled += seconds
             steps += 1
-            at_best += k == best_k(batch, acceptance, k_max)
+            best = best_k(batch, acceptance, k_max)
+            at_best += k == best
             rollout_steps += 1
-            rollout_at_best += k == best_k(batch, acceptance, k_max)
+            rollout_at_best += k == best
             if policy.steps > policy.warmup_steps:
                 after_warmup += step_cost(batch, k)
-                r = regret(batch, k, accepted, acceptance, k_max)
+                r = regret(batch, k, accepted, acceptance, best)
                 if explored:
                     explore_regret += r
                 else:
                     choice_regret += r
         if follows_after is None and rollout >= improves_at and rollout_at_best >= 0.5 * rollout_steps:
             follows_after = rollout - improves_at
-    return {"rollouts_to_follow": follows_after,"us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
+    return {"rollouts_to_follow": follows_after, "us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
             "k_mean": policy.chosen_sum / policy.chosen_count, "k_histogram": list(policy.histogram),
             "steps": steps, "best_k_share": at_best / steps, "explored_share": policy.explored_steps / steps,
             "explore_regret_share": explore_regret / after_warmup, "choice_regret_share": choice_regret / after_warmup}
