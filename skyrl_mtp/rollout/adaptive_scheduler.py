@@ -8,7 +8,9 @@ once speculation is configured (`EngineCore.post_step` -> `take_draft_token_ids`
 the multi-process executor that a no-spec engine never makes; at k = 0 it is skipped here, so a step that
 drafts nothing costs what a no-spec step costs. The scheduler also times whole steps (one schedule() to
 the next: round trips and output processing included) for the cost model, and reads acceptance from what
-was verified, and what the verified drafts saved (SpeculationPolicy.credit_verified).
+was verified, and what the verified drafts saved (SpeculationPolicy.credit_verified). And it memoizes a
+function vLLM's scheduler recomputes per request and step once a drafter is configured (kv_replay_cache),
+so a step that drafts nothing is also scheduled as fast as a no-spec one.
 
 Installed with the engine argument `scheduler_cls` (EngineConfig sets it when adaptive_speculation is
 on); the worker half (adaptive_speculation.install) follows the k it is sent.
@@ -25,6 +27,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
+from skyrl_mtp.rollout import kv_replay_cache
 from skyrl_mtp.rollout.adaptive_speculation import (
     AdaptiveSpeculationError,
     SpeculationPolicy,
@@ -73,6 +76,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._prev_k = -1
         self.fetches_skipped = 0
         install_post_step_guard()
+        kv_replay_cache.install()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -179,4 +183,5 @@ def _policy_stats(self: Any) -> dict[str, Any] | None:
     sched = self.scheduler
     if not isinstance(sched, AdaptiveSpeculationScheduler):
         return None
-    return {**sched.policy.stats(), "fetches_skipped": sched.fetches_skipped}
+    return {**sched.policy.stats(), "fetches_skipped": sched.fetches_skipped,
+            "kv_replay_cache": kv_replay_cache.stats()}

@@ -901,9 +901,27 @@ def check_runner(runner: Any) -> None:
              "decoding), so the scheduler would pad drafts to k_max")
     sched = getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)
     got = getattr(sched, "scheduler_cls", None)
-    if got != SCHEDULER_CLS:   # the worker only follows; without the engine-core half k would stay k_max
+    if not _is_adaptive_scheduler(got):   # the worker only follows; without the engine-core half k would stay k_max
         raise AdaptiveSpeculationError(f"the engine's scheduler_cls is {got!r}; adaptive speculation needs "
-                                       f"{SCHEDULER_CLS!r} (EngineConfig(adaptive_speculation=True) sets it)")
+                                       f"{SCHEDULER_CLS!r} or a subclass (EngineConfig(adaptive_speculation=True) "
+                                       "sets it)")
+
+
+def _is_adaptive_scheduler(cls: Any) -> bool:
+    """vLLM's scheduler_cls (a class or its qualified name) is the adaptive scheduler or a subclass of it."""
+    import importlib
+
+    from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler
+
+    if cls == SCHEDULER_CLS or cls is AdaptiveSpeculationScheduler:
+        return True
+    if isinstance(cls, str) and "." in cls:
+        module, _, name = cls.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return False
+    return isinstance(cls, type) and issubclass(cls, AdaptiveSpeculationScheduler)
 
 
 def plain_steps_supported(runner: Any) -> tuple[bool, str]:

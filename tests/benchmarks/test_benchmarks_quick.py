@@ -36,6 +36,10 @@ EXPECTED = {
     "speculation_policy.py": ({"rows", "k_max"}, {"acceptance", "explore_budget", "us_per_step", "share_of_step", "k_mean",
                                                   "k_histogram", "best_k_share", "explore_regret_share",
                                                   "choice_regret_share", "rollouts_to_follow_per_seed"}),
+    "engine_schedule_time.py": ({"rows", "batch", "rounds", "max_tokens", "repeats"},
+                                {"setup", "steps", "memo_hits", "vllm_us", "vllm_us_per_repeat", "vllm_ratio_over_no_spec",
+                                 "vllm_ratio_range", "total_us", "total_us_per_repeat", "total_ratio_over_no_spec",
+                                 "total_ratio_range"}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
     "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
                           {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
@@ -107,4 +111,11 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
             assert 0 < ms["_sample"] < ms["sample_tokens"] and ms["_bookkeeping_sync"] < ms["sample_tokens"], ms
             # the oracle's engines draft (auto too: its drafts all land), no spec never
             assert (ms["propose_draft_token_ids"] == 0) == (row["k"] == 0), ms
+    if script == "engine_schedule_time.py":   # timed in each engine core; only the shipped auto engine memoizes
+        rows = {r["setup"]: r for r in result["rows"]}
+        assert set(rows) == {"no_spec", "auto", "auto_unmemoized"}, rows
+        for r in rows.values():
+            assert r["steps"] > 0 and 0 < r["vllm_us"] <= r["total_us"], r
+        assert rows["no_spec"]["vllm_ratio_over_no_spec"] == 1.0 and rows["no_spec"]["memo_hits"] is None, rows
+        assert rows["auto"]["memo_hits"] > 0 and rows["auto_unmemoized"]["memo_hits"] is None, rows
     print(f"{script} --quick: {seconds:.1f}s")

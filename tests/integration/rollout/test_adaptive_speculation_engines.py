@@ -133,6 +133,10 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     last = rounds[-1]
     assert last["k0"] > 0.8 * last["steps"], rounds          # settled: not drafting (probes aside)
     assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec
+    # vLLM's per-request replay boundaries came from the engine core's memo (kv_replay_cache): one miss per
+    # distinct prompt length, a hit for every other request on every step
+    memo = after["policy"]["kv_replay_cache"]
+    assert memo is not None and memo["hits"] > 10 * memo["misses"] > 0, memo
 
 
 MAX_ROUNDS = 8

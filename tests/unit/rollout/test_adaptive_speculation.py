@@ -691,6 +691,28 @@ def test_install_fails_loudly_when_vllm_moved():
         install(Runner())
 
 
+def test_the_worker_accepts_the_adaptive_scheduler_or_a_subclass_and_nothing_else():
+    pytest.importorskip("vllm")
+    import sys
+    import types
+
+    from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler
+    from skyrl_mtp.rollout.adaptive_speculation import SCHEDULER_CLS, _is_adaptive_scheduler
+
+    module = types.ModuleType("skyrl_test_schedulers")
+    module.Timed = type("Timed", (AdaptiveSpeculationScheduler,), {})
+    module.Other = type("Other", (), {})
+    sys.modules[module.__name__] = module
+    try:
+        assert _is_adaptive_scheduler(SCHEDULER_CLS) and _is_adaptive_scheduler(AdaptiveSpeculationScheduler)
+        assert _is_adaptive_scheduler("skyrl_test_schedulers.Timed") and _is_adaptive_scheduler(module.Timed)
+        for other in ("skyrl_test_schedulers.Other", "vllm.v1.core.sched.scheduler.Scheduler", "no_such.Module",
+                      "skyrl_test_schedulers.Missing", None, "Scheduler"):
+            assert not _is_adaptive_scheduler(other), other
+    finally:
+        del sys.modules[module.__name__]
+
+
 def test_auto_reaches_the_engine_config_with_its_maximum():
     from skyrl_mtp.config.build import engine_config, train_depths
     from skyrl_mtp.config.loader import load_config

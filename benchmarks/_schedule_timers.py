@@ -1,0 +1,99 @@
+"""Timing schedulers for engine_schedule_time.py, imported by name in vLLM's engine core process.
+
+Each times, per engine step, vLLM's own `Scheduler.schedule` and the whole `schedule()` of the engine's
+scheduler class (for auto k that adds the speculation policy's choice and step timing), as thread CPU
+time, and writes its running sums to `$SKYRL_BENCH_SCHED_OUT.<pid>` (JSON) at every prefix-cache reset,
+which the benchmark's driver asks for after each rollout. Only plain decode steps count: no prompt
+tokens, no drafts verified, none proposed (k = 0), and at least `$SKYRL_BENCH_SCHED_MIN_BATCH` sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import vllm.v1.core.kv_cache_coordinator as kcc
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler
+
+_vllm_schedule = Scheduler.schedule
+
+
+def _timed_vllm_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+    c0 = time.thread_time()
+    out = _vllm_schedule(self, *args, **kwargs)
+    self._bench_vllm_s = time.thread_time() - c0
+    return out
+
+
+Scheduler.schedule = _timed_vllm_schedule   # this benchmark's engine core only
+
+
+class _Timer:
+    def _bench_init(self) -> None:
+        self._bench = {"steps": 0, "vllm_s": 0.0, "total_s": 0.0, "rounds": 0}
+        self._bench_min_batch = int(os.environ.get("SKYRL_BENCH_SCHED_MIN_BATCH", "1"))
+
+    def _bench_record(self, out: Any, total_s: float, drafted: bool) -> None:
+        batch = len(out.num_scheduled_tokens)
+        if batch >= self._bench_min_batch and not out.scheduled_new_reqs and not drafted \
+                and not out.scheduled_spec_decode_tokens and out.total_num_scheduled_tokens == batch:
+            b = self._bench
+            b["steps"] += 1
+            b["vllm_s"] += self._bench_vllm_s
+            b["total_s"] += total_s
+
+    def _bench_dump(self) -> None:
+        self._bench["rounds"] += 1
+        memo = getattr(kcc.replay_boundaries, "cache_info", None)
+        info = memo() if memo else None
+        doc = {**self._bench, "memo_hits": info.hits if info else None}
+        with open(f"{os.environ['SKYRL_BENCH_SCHED_OUT']}.{os.getpid()}", "w") as f:
+            json.dump(doc, f)
+
+
+class TimedScheduler(_Timer, Scheduler):
+    """vLLM's scheduler, as a no-spec engine runs it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bench_init()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        out = super().schedule(*args, **kwargs)
+        self._bench_record(out, time.thread_time() - c0, drafted=False)
+        return out
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self._bench_dump()
+        return super().reset_prefix_cache(*args, **kwargs)
+
+
+class TimedAdaptive(_Timer, AdaptiveSpeculationScheduler):
+    """Auto k's scheduler as shipped (vLLM's replay boundaries memoized: kv_replay_cache)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bench_init()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        out = super().schedule(*args, **kwargs)
+        self._bench_record(out, time.thread_time() - c0, drafted=out.num_spec_tokens_to_schedule > 0)
+        return out
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self._bench_dump()
+        return super().reset_prefix_cache(*args, **kwargs)
+
+
+class TimedAdaptiveUnmemoized(TimedAdaptive):
+    """Auto k's scheduler with vLLM's replay_boundaries computed afresh on every call, as vLLM does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        kcc.replay_boundaries = getattr(kcc.replay_boundaries, "__wrapped__", kcc.replay_boundaries)

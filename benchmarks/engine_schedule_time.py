@@ -1,0 +1,182 @@
+"""What the engine core's scheduling costs per plain decode step: no spec, auto k, and auto k without the memo.
+
+An auto-k engine that has stopped drafting should cost what a no-spec engine costs. Its steps then run
+the same model work (rollout/adaptive_speculation.py runs them as vLLM's no-spec steps), but the engine
+core still schedules them with a speculative config and asks the speculation policy for k. This times that
+part on the tiny default's engine, per engine step, as thread CPU time in the engine core (_schedule_timers):
+
+- `vllm_us`: vLLM's own `Scheduler.schedule`;
+- `total_us`: the engine's whole `schedule()` (for auto k: vLLM's, plus the policy's choice and the step's
+  timing for its cost model).
+
+Set-ups: `no_spec` (trainer.mtp.enabled=false), `auto` (trainer.mtp.num_speculative_tokens=auto, as
+shipped), `auto_unmemoized` (the same, with vLLM's replay boundaries computed per request and step, as
+vLLM 0.32 does once a drafter is configured; rollout/kv_replay_cache.py memoizes them). Each repeat runs
+each set-up's engine in its own process, one after another in rotated order, for `--rounds` rollouts of
+`--batch` random prompts (the first rollout is a warm-up and not counted). Only plain decode steps with at
+least half the batch running count: no prompt tokens, no drafts verified or proposed.
+
+Prints a table and writes JSON: per set-up `vllm_us` and `total_us` (mean over repeats), their per-repeat
+values, and `vllm_ratio_over_no_spec` / `total_ratio_over_no_spec` (per repeat, the set-up's mean over the
+no-spec engine's of the same repeat; their mean and range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+SETUPS = {
+    "no_spec": (["trainer.mtp.enabled=false"], "_schedule_timers.TimedScheduler"),
+    "auto": (["trainer.mtp.num_speculative_tokens=auto"], "_schedule_timers.TimedAdaptive"),
+    "auto_unmemoized": (["trainer.mtp.num_speculative_tokens=auto"], "_schedule_timers.TimedAdaptiveUnmemoized"),
+}
+QUICK = dict(rounds=2, batch=8, max_tokens=24, repeats=1)
+
+
+def child(setup: str, rounds: int, batch: int, max_tokens: int, out_prefix: str) -> None:
+    """One engine of `setup` in this process: `rounds` rollouts, a prefix-cache reset after each (the
+    timer's dump; the first dump, after the warm-up rollout, is the baseline the others are counted from)."""
+    from dataclasses import fields
+
+    from skyrl_mtp.config import build
+    from skyrl_mtp.config.loader import load_config
+    from skyrl_mtp.models.tiny import cached_tiny_checkpoint
+    from skyrl_mtp.rollout.config import EngineConfig
+    from skyrl_mtp.rollout.engine import InferenceEngine
+    from skyrl_mtp.rollout.sampling import SamplingSpec
+    from skyrl_mtp.runtime_env import configure_offline_caches
+
+    overrides, scheduler_cls = SETUPS[setup]
+    cache = Path(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
+    configure_offline_caches(str(cache))
+    cfg = load_config(["recipe=tiny_dapo", *overrides])
+    src = build.model_source(cfg)
+    path = cached_tiny_checkpoint(Path(src.tiny_cache_dir) if src.tiny_cache_dir else cache / "models", src.tiny)
+    base = build.engine_config(cfg, path)
+
+    class Timed(EngineConfig):
+        """The run's engine config with this benchmark's timing scheduler (the same class otherwise)."""
+
+        @property
+        def adaptive_scheduler_cls(self) -> str:
+            return scheduler_cls
+
+    eng_cfg = Timed(**{f.name: getattr(base, f.name) for f in fields(EngineConfig)})
+    eng_cfg.max_num_seqs = max(eng_cfg.max_num_seqs, batch)
+    os.environ["SKYRL_BENCH_SCHED_OUT"] = out_prefix
+    os.environ["SKYRL_BENCH_SCHED_MIN_BATCH"] = str(max(batch // 2, 1))
+
+    async def run() -> None:
+        engine = InferenceEngine(eng_cfg)
+        await engine.ready()
+        rng = random.Random(0)
+        for r in range(rounds):
+            prompts = [[rng.randrange(10, 200) for _ in range(16)] for _ in range(batch)]
+            await engine.generate(prompts, SamplingSpec(temperature=1.0, max_tokens=max_tokens, seed=r),
+                                  list(range(batch)))
+            await engine._engine.reset_prefix_cache()
+            if r == 0:
+                baseline = _read(out_prefix)
+                Path(out_prefix + ".baseline").write_text(json.dumps(baseline))
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def _read(prefix: str) -> dict:
+    docs = [json.loads(Path(p).read_text()) for p in glob.glob(prefix + ".[0-9]*")]
+    if len(docs) != 1:
+        raise RuntimeError(f"expected one engine core's timings under {prefix}.*, found {len(docs)}")
+    return docs[0]
+
+
+def run_setup(setup: str, a: argparse.Namespace, tmp: str, tag: str) -> dict:
+    prefix = os.path.join(tmp, f"{setup}-{tag}")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", setup, "--rounds", str(a.rounds),
+           "--batch", str(a.batch), "--max-tokens", str(a.max_tokens), "--out-prefix", prefix]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{setup} engine failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    end, start = _read(prefix), json.loads(Path(prefix + ".baseline").read_text())
+    steps = end["steps"] - start["steps"]
+    if steps <= 0:
+        raise RuntimeError(f"{setup}: no plain decode steps were timed after the warm-up rollout")
+    return {"steps": steps, "vllm_us": (end["vllm_s"] - start["vllm_s"]) / steps * 1e6,
+            "total_us": (end["total_s"] - start["total_s"]) / steps * 1e6, "memo_hits": end["memo_hits"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    ap.add_argument("--rounds", type=int, default=8, help="rollouts per engine, the first a warm-up")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a small run, for the smoke test")
+    ap.add_argument("--json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out-prefix", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.rounds, a.batch, a.max_tokens, a.out_prefix)
+        return
+    if a.quick:
+        for k, v in QUICK.items():
+            setattr(a, k, v)
+    for name in ("rounds", "batch", "max_tokens", "repeats"):
+        if getattr(a, name) < (2 if name == "rounds" else 1):
+            ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= {2 if name == 'rounds' else 1}")
+    if "no_spec" not in a.setups:
+        ap.error("--setups must include no_spec (the ratios are over it)")
+
+    per_repeat: dict[str, list[dict]] = {s: [] for s in a.setups}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(a.repeats):
+            order = a.setups[rep % len(a.setups):] + a.setups[:rep % len(a.setups)]
+            for s in order:
+                per_repeat[s].append(run_setup(s, a, tmp, str(rep)))
+                r = per_repeat[s][-1]
+                print(f"repeat {rep} {s:16s} steps {r['steps']:5d}  vllm {r['vllm_us']:7.1f} us  total "
+                      f"{r['total_us']:7.1f} us", flush=True)
+
+    rows = []
+    ref = per_repeat["no_spec"]
+    for s in a.setups:
+        reps = per_repeat[s]
+        row = {"setup": s, "steps": sum(r["steps"] for r in reps), "memo_hits": reps[-1]["memo_hits"]}
+        for part in ("vllm", "total"):
+            vals = [r[f"{part}_us"] for r in reps]
+            ratios = [r[f"{part}_us"] / n[f"{part}_us"] for r, n in zip(reps, ref)]
+            row[f"{part}_us"] = statistics.fmean(vals)
+            row[f"{part}_us_per_repeat"] = vals
+            row[f"{part}_ratio_over_no_spec"] = statistics.fmean(ratios)
+            row[f"{part}_ratio_range"] = [min(ratios), max(ratios)]
+        rows.append(row)
+
+    print(f"\nplain decode steps with >= {max(a.batch // 2, 1)} of {a.batch} sequences, {a.repeats} repeats, "
+          f"{a.rounds - 1} measured rollouts each (thread CPU time in the engine core)")
+    print(f"{'setup':16s} {'vLLM us':>8s} {'ratio':>6s} {'range':>13s} {'total us':>9s} {'ratio':>6s} {'range':>13s}")
+    for r in rows:
+        print(f"{r['setup']:16s} {r['vllm_us']:8.1f} {r['vllm_ratio_over_no_spec']:6.3f} "
+              f"{r['vllm_ratio_range'][0]:6.3f}-{r['vllm_ratio_range'][1]:.3f} {r['total_us']:9.1f} "
+              f"{r['total_ratio_over_no_spec']:6.3f} {r['total_ratio_range'][0]:6.3f}-{r['total_ratio_range'][1]:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"batch": a.batch, "rounds": a.rounds, "max_tokens": a.max_tokens,
+                                            "repeats": a.repeats, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
