@@ -50,6 +50,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,11 +110,12 @@ class AcceptanceEstimate:
         # by the requests that reached more than i positions and accepted by those that accepted more than i
         reached = [0] * (self.k_max + 1)
         kept = [0] * (self.k_max + 1)
-        for d, a in zip(num_drafts, num_accepted):
+        # counted per distinct (drafts, accepted) pair: a verify step at a large batch repeats a few pairs
+        for (d, a), n in Counter(zip(num_drafts, num_accepted)).items():
             d = min(int(d), self.k_max)
             a = max(0, min(int(a), d))
-            reached[min(a + 1, d)] += 1
-            kept[a] += 1
+            reached[min(a + 1, d)] += n
+            kept[a] += n
         att, acc = [0.0] * self.k_max, [0.0] * self.k_max
         more_reached = more_kept = 0
         for i in range(self.k_max - 1, -1, -1):
@@ -375,16 +377,21 @@ class CostModel:
         1.5x that, the next timings would keep drafting looking cheap there for many steps."""
         x = step_features(num_tokens, batch, k)
         b = bucket(batch)
-        fit = self.buckets.setdefault(b, OnlineLinearFit(6))
-        timed = self.weight_at_k.setdefault(b, [0.0] * (self.k_max + 1))
-        if self.covers(batch) and timed[k] >= self.stall_min_samples:   # a stall is not what the step costs
+        fit = self.buckets.get(b)
+        if fit is None:   # (built only when missing: this runs on every timed engine step)
+            fit = self.buckets[b] = OnlineLinearFit(6)
+            self.weight_at_k[b] = [0.0] * (self.k_max + 1)
+            self.seen_k[b] = set()
+        timed, seen = self.weight_at_k[b], self.seen_k[b]
+        if len(seen) == self.k_max + 1 and timed[k] >= self.stall_min_samples:   # a stall is not what the step costs
             seconds = min(seconds, self.stall_ratio * max(fit.predict(x), 1e-6))
         self.global_fit.add(x, seconds)
         fit.add(x, seconds)
+        decay = fit.decay
         for j in range(len(timed)):
-            timed[j] *= fit.decay
+            timed[j] *= decay
         timed[k] += 1.0
-        self.seen_k.setdefault(b, set()).add(k)
+        seen.add(k)
 
     def covers(self, batch: int) -> bool:
         return len(self.seen_k.get(bucket(batch), ())) == self.k_max + 1
@@ -630,7 +637,7 @@ class SpeculationPolicy:
     _next_probe_at: int = 0
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
-    _memo: tuple[tuple, tuple[int, int]] | None = None
+    _memo: tuple[tuple, tuple[int, int, float]] | None = None   # _model_choice's inputs -> (best, rival, its step time)
     _next_challenge_at: int = 0
     _challenge_gap: int = 0
     seconds_saved: float = 0.0     # engine seconds the verified drafts saved (credit_verified; may be < 0)
@@ -702,8 +709,8 @@ class SpeculationPolicy:
                 self._challenge_gap = self.challenge_every
                 self._next_probe_at = min(self._next_probe_at or self.steps + self._interval,
                                           self.steps + self._interval)
-            self._spent += self.cost.step_seconds(max(batch, 1), k)
-            rival = self._memo[1][1] if self._memo else -1
+            _, rival, seconds = self._memo[1]   # type: ignore[index]
+            self._spent += seconds
             if steady and rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
                 k = self._challenge(k, rival, max(batch, 1))
             elif steady and self.probe_every and self.steps >= self._next_probe_at:   # another k (never the best)
@@ -726,7 +733,8 @@ class SpeculationPolicy:
             best, rates = best_k(alphas, self.cost, batch, self.k_max, key[1])
             if best and not self.cost.covers(batch):
                 best = 0   # drafting is adopted on this batch size's own timings only, never extrapolated
-            self._memo = (key, (best, plausible_rival(alphas, self.cost, batch, self.k_max, best, rates)))
+            self._memo = (key, (best, plausible_rival(alphas, self.cost, batch, self.k_max, best, rates),
+                                self.cost.step_seconds(batch, best)))
         return self._memo[1][0]
 
     def _calibration_due(self, batch: int) -> bool:
@@ -830,7 +838,7 @@ class SpeculationPolicy:
         if not any(num_drafts):
             return 0.0
         batch = max(int(batch), len(num_drafts), 1)
-        k = min(max(int(d) for d in num_drafts), self.k_max)
+        k = min(int(max(num_drafts)), self.k_max)
         saved = step_savings(self.cost.monotone_step_seconds(batch), k, sum(num_accepted) / batch)
         self.seconds_saved += saved
         return saved
