@@ -98,8 +98,11 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     oracle = load_file(str(next(oracle_ckpt.glob("*.safetensors"))))
     try:
         auto.sync_weights(oracle)
-        auto.generate_sync(prompts, GREEDY)          # the oracle head's drafts: evidence of high acceptance
-        before_sync = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+        for _ in range(MAX_ROUNDS):   # the oracle head's drafts: evidence of high acceptance (from probes alone
+            auto.generate_sync(prompts, GREEDY)   # where this machine's timings say drafting does not pay)
+            before_sync = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+            if max(before_sync["attempts_per_pos"]) > 16:
+                break
         nospec.sync_weights(weights)
         auto.sync_weights(weights)
         after_sync = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
