@@ -33,62 +33,48 @@ Scheduler.schedule = _timed_vllm_schedule   # this benchmark's engine core only
 
 
 class _Timer:
-    def _bench_init(self) -> None:
+    """The timing half of both schedulers below (first in their bases, so its methods wrap the scheduler's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._bench = {"steps": 0, "vllm_s": 0.0, "total_s": 0.0, "rounds": 0}
         self._bench_min_batch = int(os.environ.get("SKYRL_BENCH_SCHED_MIN_BATCH", "1"))
 
-    def _bench_record(self, out: Any, total_s: float, drafted: bool) -> None:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        out = super().schedule(*args, **kwargs)   # type: ignore[misc]
+        total_s = time.thread_time() - c0
         batch = len(out.num_scheduled_tokens)
-        if batch >= self._bench_min_batch and not out.scheduled_new_reqs and not drafted \
+        if batch >= self._bench_min_batch and not out.scheduled_new_reqs and not self._drafted(out) \
                 and not out.scheduled_spec_decode_tokens and out.total_num_scheduled_tokens == batch:
             b = self._bench
             b["steps"] += 1
             b["vllm_s"] += self._bench_vllm_s
             b["total_s"] += total_s
+        return out
 
-    def _bench_dump(self) -> None:
+    def _drafted(self, out: Any) -> bool:
+        return False
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         self._bench["rounds"] += 1
         memo = getattr(kcc.replay_boundaries, "cache_info", None)
         info = memo() if memo else None
         doc = {**self._bench, "memo_hits": info.hits if info else None}
         with open(f"{os.environ['SKYRL_BENCH_SCHED_OUT']}.{os.getpid()}", "w") as f:
             json.dump(doc, f)
+        return super().reset_prefix_cache(*args, **kwargs)   # type: ignore[misc]
 
 
 class TimedScheduler(_Timer, Scheduler):
     """vLLM's scheduler, as a no-spec engine runs it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._bench_init()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        c0 = time.thread_time()
-        out = super().schedule(*args, **kwargs)
-        self._bench_record(out, time.thread_time() - c0, drafted=False)
-        return out
-
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        self._bench_dump()
-        return super().reset_prefix_cache(*args, **kwargs)
-
 
 class TimedAdaptive(_Timer, AdaptiveSpeculationScheduler):
     """Auto k's scheduler as shipped (vLLM's replay boundaries memoized: kv_replay_cache)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._bench_init()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        c0 = time.thread_time()
-        out = super().schedule(*args, **kwargs)
-        self._bench_record(out, time.thread_time() - c0, drafted=out.num_spec_tokens_to_schedule > 0)
-        return out
-
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        self._bench_dump()
-        return super().reset_prefix_cache(*args, **kwargs)
+    def _drafted(self, out: Any) -> bool:
+        return out.num_spec_tokens_to_schedule > 0
 
 
 class TimedAdaptiveUnmemoized(TimedAdaptive):
