@@ -52,19 +52,17 @@ def child(setup: str, rounds: int, batch: int, max_tokens: int, out_prefix: str)
 
     from skyrl_mtp.config import build
     from skyrl_mtp.config.loader import load_config
-    from skyrl_mtp.models.tiny import cached_tiny_checkpoint
     from skyrl_mtp.rollout.config import EngineConfig
     from skyrl_mtp.rollout.engine import InferenceEngine
     from skyrl_mtp.rollout.sampling import SamplingSpec
     from skyrl_mtp.runtime_env import configure_offline_caches
+    from skyrl_mtp.trainer.launch import resolve_model
 
     overrides, scheduler_cls = SETUPS[setup]
     cache = Path(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
     configure_offline_caches(str(cache))
     cfg = load_config(["recipe=tiny_dapo", *overrides])
-    src = build.model_source(cfg)
-    path = cached_tiny_checkpoint(Path(src.tiny_cache_dir) if src.tiny_cache_dir else cache / "models", src.tiny)
-    base = build.engine_config(cfg, path)
+    base = build.engine_config(cfg, resolve_model(cfg, cache))   # the model the run itself would serve
 
     class Timed(EngineConfig):
         """The run's engine config with this benchmark's timing scheduler (the same class otherwise)."""
