@@ -209,7 +209,10 @@ class OnlineLinearFit:
         seen = diag > 0
         w = np.zeros(self.dim)
         inverse = np.zeros((0, 0))
-        if seen.any():
+        if seen.all():   # the usual case once a bucket is timed at every k: no submatrix to gather
+            inverse = np.linalg.inv(self._xtx + np.diag(self.ridge * diag))
+            w = inverse @ self._xty
+        elif seen.any():
             idx = np.ix_(seen, seen)
             inverse = np.linalg.inv(self._xtx[idx] + np.diag(self.ridge * diag[seen]))
             w[seen] = inverse @ self._xty[seen]
@@ -286,7 +289,7 @@ class LineTable:
         seen = np.asarray(sol.seen, dtype=bool)
         pp = pq = qq = np.zeros((self.n, self.n))
         if seen.any() and not math.isinf(sol.variance):
-            ds_p, ds_q = rows.dp[..., seen], rows.dq[..., seen]
+            ds_p, ds_q = (rows.dp, rows.dq) if seen.all() else (rows.dp[..., seen], rows.dq[..., seen])
             ip, iq = ds_p @ sol.inverse, ds_q @ sol.inverse
             pp, pq, qq = (ip * ds_p).sum(-1), (ip * ds_q).sum(-1), (iq * ds_q).sum(-1)
         self._pairs = [list(zip(*cols)) for cols in zip(pp.tolist(), pq.tolist(), qq.tolist(), *rows.same,
