@@ -16,6 +16,7 @@ import logging
 import os
 from typing import Any
 
+from skyrl_mtp.rollout import kv_replay_cache
 from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
@@ -37,6 +38,8 @@ def engine_environment(cfg: EngineConfig, engine_index: int, cpu_count: int | No
     """
     env = {CPU_SAMPLING_FIX_ENV: "1" if cfg.cpu_sampling_fix else "0",
            DRAFT_INVARIANT_SAMPLING_ENV: "1" if cfg.draft_invariant_sampling else "0"}
+    if cfg.num_speculative_tokens > 0:   # read by the vLLM plugin in the engine core (kv_replay_cache.py)
+        env[kv_replay_cache.ENV_VAR] = "1"
     if cfg.adaptive_speculation:   # read by the engine core's scheduler (adaptive_scheduler.py)
         env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
     if cfg.num_engines > 1 and cpu_count and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -170,8 +173,14 @@ class InferenceEngine:
         adaptive = None
         if self.cfg.adaptive_speculation:   # after model load: the hook wraps the runner and its drafter
             adaptive = (await self._engine.collective_rpc("skyrl_install_adaptive_speculation"))[0]
+        replay_cache = await self.kv_replay_cache_stats()
+        if self.cfg.num_speculative_tokens > 0 and replay_cache is None:
+            logger.warning("engine %d: vLLM did not run skyrl_mtp's general plugin in its engine core (VLLM_PLUGINS "
+                           "leaves it out, or skyrl_mtp was installed without its entry points): its scheduler "
+                           "recomputes every request's replay boundaries every step (kv_replay_cache.py)",
+                           self.engine_index)
         return {"engine_index": self.engine_index, "schema": self.schema, "pid": os.getpid(),
-                "adaptive_speculation": adaptive, "compile_warmup": warmup,
+                "adaptive_speculation": adaptive, "compile_warmup": warmup, "kv_replay_cache": replay_cache,
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
@@ -245,6 +254,15 @@ class InferenceEngine:
         policy = await self._policy_stats()
         return {**worker, "acceptance_per_pos": policy["acceptance_per_pos"],
                 "attempts_per_pos": policy["attempts_per_pos"], "policy": policy}
+
+    async def kv_replay_cache_stats(self) -> dict[str, int] | None:
+        """Hits and misses of the engine core's memo of vLLM's replay boundaries (kv_replay_cache), or None
+        where it is not installed (an engine that does not draft, or vLLM did not run the plugin)."""
+        try:
+            return await self._engine.engine_core.call_utility_async(kv_replay_cache.STATS_UTILITY)
+        except Exception as e:   # the utility is missing: the plugin did not run in the engine core
+            logger.debug("engine %d: %s: %s", self.engine_index, kv_replay_cache.STATS_UTILITY, e)
+            return None
 
     async def _policy_stats(self) -> dict[str, Any]:
         """The engine core's speculation policy (adaptive_scheduler.POLICY_STATS_UTILITY)."""

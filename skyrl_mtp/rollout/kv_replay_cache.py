@@ -7,9 +7,15 @@ EAGLE-family drafter (MTP) is configured, that is a small sorted-set computation
 run for every request on every step although it depends only on the prompt's length and the block size.
 At 64 decoding sequences it was most of what vLLM's `Scheduler.schedule` costs more with a speculative
 config than without: about 0.07-0.09 ms a step, some 1% of a plain step of the tiny default, paid by an
-adaptive engine on every step it drafts nothing. The function is pure (three ints in, a tuple out), so
-it is wrapped in an LRU cache, in the engine core's process, by the adaptive scheduler (its one seam
-into that process).
+adaptive engine on every step it drafts nothing and by a fixed-k engine on every step. The function is
+pure (three ints in, a tuple out), so it is wrapped in an LRU cache in the engine core's process.
+
+Two ways in, both into that process: the adaptive scheduler installs it when it is built, and
+`vllm_plugin` (a vLLM general plugin, the `vllm.general_plugins` entry point in pyproject.toml, which
+vLLM runs when an EngineCore starts) installs it where the engine that started the process set
+`SKYRL_MTP_KV_REPLAY_CACHE=1`, which `engine.engine_environment` does for every engine that drafts, so
+fixed-k engines, which run vLLM's own scheduler, get it too. The plugin also adds the engine-core
+utility `STATS_UTILITY` that reports the cache's counts.
 
 `install()` checks the function exists with the parameters it expects and that `cache_blocks` looks it
 up as a module global (so replacing that global reaches the caller), and raises `KvReplayCacheError`
@@ -21,12 +27,15 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from typing import Any
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
 TARGET_ATTR = "replay_boundaries"
 TARGET_PARAMS = ("num_prompt_tokens", "scheduler_block_size", "use_eagle")
 CACHE_SIZE = 8192   # distinct (prompt length, block size, eagle) keys: at most max_model_len per block size
+ENV_VAR = "SKYRL_MTP_KV_REPLAY_CACHE"
+STATS_UTILITY = "skyrl_kv_replay_cache_stats"
 
 
 class KvReplayCacheError(RuntimeError):
@@ -68,3 +77,23 @@ def stats() -> dict[str, int] | None:
         return None
     info = fn.cache_info()  # type: ignore[union-attr]
     return {"hits": info.hits, "misses": info.misses}
+
+
+def vllm_plugin() -> None:
+    """vLLM general plugin (run in each vLLM process that loads plugins, the engine core included): where
+    ENV_VAR is "1", install the memo and the engine-core utility that reports it. Elsewhere, nothing."""
+    if os.environ.get(ENV_VAR) != "1":
+        return
+    install()
+    from vllm.v1.engine.core import EngineCore
+
+    existing = getattr(EngineCore, STATS_UTILITY, None)
+    if existing is None:
+        setattr(EngineCore, STATS_UTILITY, _stats_utility)
+    elif existing is not _stats_utility:
+        raise KvReplayCacheError(f"vLLM's EngineCore already has a `{STATS_UTILITY}` that is not skyrl_mtp's")
+
+
+def _stats_utility(self: object) -> dict[str, int] | None:
+    """Engine-core utility (`call_utility_async(STATS_UTILITY)`): stats() in the engine core's process."""
+    return stats()

@@ -80,3 +80,46 @@ def test_a_caller_that_no_longer_calls_it_is_named(original, monkeypatch):
     monkeypatch.setattr(kcc.KVCacheCoordinator, "cache_blocks", cache_blocks)
     with pytest.raises(kv_replay_cache.KvReplayCacheError, match="no longer calls"):
         kv_replay_cache.install()
+
+
+@pytest.fixture
+def no_utility(monkeypatch):
+    """EngineCore without the plugin's stats utility, and as it was after the test."""
+    from vllm.v1.engine.core import EngineCore
+
+    monkeypatch.delattr(EngineCore, kv_replay_cache.STATS_UTILITY, raising=False)
+    yield EngineCore
+    if hasattr(EngineCore, kv_replay_cache.STATS_UTILITY):
+        delattr(EngineCore, kv_replay_cache.STATS_UTILITY)
+
+
+def test_the_vllm_plugin_does_nothing_unless_its_engine_asked(original, no_utility, monkeypatch):
+    monkeypatch.delenv(kv_replay_cache.ENV_VAR, raising=False)
+    kv_replay_cache.vllm_plugin()
+    assert kcc.replay_boundaries is original and kv_replay_cache.stats() is None
+    assert not hasattr(no_utility, kv_replay_cache.STATS_UTILITY)
+
+
+def test_the_vllm_plugin_installs_the_memo_and_its_engine_core_utility(original, no_utility, monkeypatch):
+    monkeypatch.setenv(kv_replay_cache.ENV_VAR, "1")
+    kv_replay_cache.vllm_plugin()
+    kv_replay_cache.vllm_plugin()   # vLLM may load plugins more than once in a process
+    assert kcc.replay_boundaries is not original
+    kcc.replay_boundaries(40, 16, True)
+    kcc.replay_boundaries(40, 16, True)
+    utility = getattr(no_utility, kv_replay_cache.STATS_UTILITY)
+    assert utility(object()) == {"hits": 1, "misses": 1}
+
+
+def test_the_vllm_plugin_is_registered_as_a_general_plugin():
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert found.get("skyrl_mtp_kv_replay_cache") == "skyrl_mtp.rollout.kv_replay_cache:vllm_plugin", found
+
+
+def test_a_foreign_utility_of_the_same_name_is_refused(original, no_utility, monkeypatch):
+    monkeypatch.setenv(kv_replay_cache.ENV_VAR, "1")
+    setattr(no_utility, kv_replay_cache.STATS_UTILITY, lambda self: None)
+    with pytest.raises(kv_replay_cache.KvReplayCacheError, match="already has"):
+        kv_replay_cache.vllm_plugin()

@@ -71,6 +71,9 @@ def test_engine_environment_sets_sampling_fix_and_spreads_engines(monkeypatch):
     env = engine_environment(EngineConfig(model_path="/x", num_engines=3), 2, 2)
     assert env == {"SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    # an engine that drafts asks the vLLM plugin for the memo of replay boundaries (kv_replay_cache)
+    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2), 0, 2) == {
+        "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1", "SKYRL_MTP_KV_REPLAY_CACHE": "1"}
 
 
 @pytest.mark.parametrize("kwargs,match", [
