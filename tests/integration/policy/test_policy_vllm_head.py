@@ -113,4 +113,9 @@ def test_trained_head_acceptance_in_vllm_matches_training(tiny_varied_ckpt, tmp_
     print(f"vLLM acceptance {acceptance:.3f}, counters {c}; simulated drafts={sim_drafts} accepted={sim_accepted}")
     assert c["vllm:spec_decode_num_draft_tokens"] == sim_drafts
     assert c["vllm:spec_decode_num_accepted_tokens"] == sim_accepted
-    assert abs(acceptance - agree) < 0.05
+    # the drafted positions are the ones greedy k=1 decoding reaches (an accepted draft skips the next), a
+    # sample of ~200 of the replayed positions: their acceptance is the head's agreement within sampling
+    # error (3 binomial standard errors; the exact check is the counters' equality above). A fixed 0.05
+    # failed on one CPU: 0.816 against 0.872 over 207 drafts, 2.4 standard errors
+    n = c["vllm:spec_decode_num_draft_tokens"]
+    assert abs(acceptance - agree) < 3.0 * (agree * (1.0 - agree) / n) ** 0.5, (acceptance, agree, n)
