@@ -154,8 +154,11 @@ class OnlineLinearFit:
 
     def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4, resolve_share: float = 0.05):
         self.dim, self.decay, self.ridge, self.resolve_share = dim, decay, ridge, resolve_share
-        self._xtx = np.zeros((dim, dim))
-        self._xty = np.zeros(dim)
+        # plain Python lists: the engine core folds and solves this between model steps, where each numpy
+        # call on these few numbers cost 10-20x what it costs in a quiet process (its code is cold there),
+        # so a 6x6 fold and solve took ~0.3 ms with numpy and a fraction of that without
+        self._xtx = [[0.0] * dim for _ in range(dim)]
+        self._xty = [0.0] * dim
         self._pending: list[tuple[tuple[float, ...], float]] = []   # samples not yet in _xtx / _xty (_fold)
         self.yty = 0.0
         self.weight = 0.0      # decayed number of samples
@@ -179,15 +182,27 @@ class OnlineLinearFit:
     def _fold(self) -> None:
         """Adds the queued samples to the weighted Gram matrix (_xtx, _xty) in one pass, each decayed as if
         added one at a time."""
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return
-        n = len(self._pending)
-        xs = np.asarray([x for x, _ in self._pending], dtype=np.float64)
-        ys = np.asarray([y for _, y in self._pending], dtype=np.float64)
-        xw = xs * (self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64))[:, None]
-        self._xtx = self._xtx * self.decay ** n + xw.T @ xs
-        self._xty = self._xty * self.decay ** n + xw.T @ ys
-        self._pending.clear()
+        n, dim, decay = len(pending), self.dim, self.decay
+        xtx, xty = self._xtx, self._xty
+        scale = decay ** n
+        for i in range(dim):
+            row = xtx[i]
+            for j in range(dim):
+                row[j] *= scale
+            xty[i] *= scale
+        for age, (x, y) in enumerate(reversed(pending)):   # the newest sample first, weight decay^age
+            w = decay ** age
+            for i in range(dim):
+                if x[i]:   # a step's features are mostly zeros (no drafting: 4 of 6)
+                    wx = w * x[i]
+                    row = xtx[i]
+                    for j in range(dim):
+                        row[j] += wx * x[j]
+                    xty[i] += wx * y
+        pending.clear()
 
     def _solution(self) -> _Solution:
         if self._solved is None:
@@ -205,22 +220,22 @@ class OnlineLinearFit:
         """Solved over the features some sample has used (the others get weight 0 and unknown variance);
         the ridge, relative to each diagonal entry, keeps that system positive definite."""
         self._fold()
-        diag = np.diag(self._xtx)
-        seen = diag > 0
-        w = np.zeros(self.dim)
-        inverse = np.zeros((0, 0))
-        if seen.all():   # the usual case once a bucket is timed at every k: no submatrix to gather
-            inverse = np.linalg.inv(self._xtx + np.diag(self.ridge * diag))
-            w = inverse @ self._xty
-        elif seen.any():
-            idx = np.ix_(seen, seen)
-            inverse = np.linalg.inv(self._xtx[idx] + np.diag(self.ridge * diag[seen]))
-            w[seen] = inverse @ self._xty[seen]
+        xtx, xty = self._xtx, self._xty
+        seen = [xtx[i][i] > 0 for i in range(self.dim)]
+        idx = [i for i in range(self.dim) if seen[i]]
+        inverse = _spd_inverse([[xtx[i][j] + (self.ridge * xtx[i][i] if i == j else 0.0) for j in idx] for i in idx])
+        w = [0.0] * self.dim
+        for a, i in enumerate(idx):
+            w[i] = sum(inverse[a][b] * xty[j] for b, j in enumerate(idx))
         variance = math.inf
         if self.weight > self.dim:
-            rss = self.yty - 2.0 * float(w @ self._xty) + float(w @ self._xtx @ w)
+            quad = sum(w[i] * sum(xtx[i][j] * w[j] for j in idx) for i in idx)
+            rss = self.yty - 2.0 * sum(w[i] * xty[i] for i in idx) + quad
             variance = max(rss, 0.0) / (self.weight - self.dim)
-        return _Solution(w.tolist(), inverse, seen.tolist(), variance)
+        position = [-1] * self.dim
+        for a, i in enumerate(idx):
+            position[i] = a
+        return _Solution(w, inverse, seen, variance, position)
 
     def weights(self) -> list[float]:
         return self._solution().weights
@@ -242,8 +257,8 @@ class OnlineLinearFit:
         sol = self._solution()
         if math.isinf(sol.variance) or any(di and not s for di, s in zip(d, sol.seen)):
             return math.inf
-        ds = np.asarray([di for di, s in zip(d, sol.seen) if s])
-        return math.sqrt(max(float(ds @ sol.inverse @ ds), 0.0) * sol.variance)
+        nz = _nonzeros(d, sol.position)
+        return math.sqrt(max(_quadratic(sol.inverse, nz, nz), 0.0) * sol.variance)
 
     def line_table(self, rows: LineRows) -> LineTable:
         """predict and difference_sd for the rows x_i(b) = p_i + b q_i, as functions of b, from the current
@@ -261,6 +276,9 @@ class LineRows:
         self.p, self.q = p, q
         self.dp, self.dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
         self.same = _zero_sets(self.dp, self.dq)
+        self.p_rows, self.q_rows = [list(map(float, r)) for r in ps], [list(map(float, r)) for r in qs]
+        dp, dq = self.dp.tolist(), self.dq.tolist()
+        self.pair_diffs = [[(dp[i][j], dq[i][j]) for j in range(self.n)] for i in range(self.n)]
         self._explored: dict[tuple[bool, ...], tuple] = {}
 
     def explored(self, seen: tuple[bool, ...]) -> tuple:
@@ -279,21 +297,26 @@ class LineTable:
     The cost model reads a step's cost at every k for each batch size a rollout's tail passes through (a
     new size every step or two), on the engine core's critical path. Each step's features are affine in the
     batch size, so w . x_i(b) = w . p_i + b w . q_i, and a difference's quadratic form d' A^-1 d, with
-    d = dp + b dq, is dp'A^-1 dp + 2b dp'A^-1 dq + b^2 dq'A^-1 dq: the numpy work is done once per solve,
+    d = dp + b dq, is dp'A^-1 dp + 2b dp'A^-1 dq + b^2 dq'A^-1 dq: the quadratic forms are computed once per solve,
     and `at(b)` gives exactly what predict / difference_sd give at x_i(b)."""
 
     def __init__(self, sol: _Solution, rows: LineRows):
-        w = np.asarray(sol.weights, dtype=np.float64)
-        self.n, self.variance = rows.n, sol.variance
-        self._a, self._c = (rows.p @ w).tolist(), (rows.q @ w).tolist()
-        seen = np.asarray(sol.seen, dtype=bool)
-        pp = pq = qq = np.zeros((self.n, self.n))
-        if seen.any() and not math.isinf(sol.variance):
-            ds_p, ds_q = (rows.dp, rows.dq) if seen.all() else (rows.dp[..., seen], rows.dq[..., seen])
-            ip, iq = ds_p @ sol.inverse, ds_q @ sol.inverse
-            pp, pq, qq = (ip * ds_p).sum(-1), (ip * ds_q).sum(-1), (iq * ds_q).sum(-1)
-        self._pairs = [list(zip(*cols)) for cols in zip(pp.tolist(), pq.tolist(), qq.tolist(), *rows.same,
-                                                         *rows.explored(tuple(sol.seen)))]
+        w = sol.weights
+        n = self.n = rows.n
+        self.variance = sol.variance
+        self._a = [sum(wi * x for wi, x in zip(w, p)) for p in rows.p_rows]
+        self._c = [sum(wi * x for wi, x in zip(w, q)) for q in rows.q_rows]
+        # the quadratic forms of each pair's difference (above the diagonal: at() reads no other), in plain
+        # Python over the differences' nonzero seen features, for the reason OnlineLinearFit gives
+        pp, pq, qq = ([[0.0] * n for _ in range(n)] for _ in range(3))
+        if any(sol.seen) and not math.isinf(sol.variance):
+            inv, pos = sol.inverse, sol.position
+            for i in range(n):
+                for j in range(i + 1, n):
+                    dp, dq = rows.pair_diffs[i][j]
+                    u, v = _nonzeros(dp, pos), _nonzeros(dq, pos)
+                    pp[i][j], pq[i][j], qq[i][j] = _quadratic(inv, u, u), _quadratic(inv, u, v), _quadratic(inv, v, v)
+        self._pairs = [list(zip(*cols)) for cols in zip(pp, pq, qq, *rows.same, *rows.explored(tuple(sol.seen)))]
 
     def at(self, b: float) -> tuple[list[float], list[list[float]]]:
         """predict(x_i(b)) for each row, and difference_sd(x_i(b), x_j(b)) for every pair."""
@@ -314,6 +337,35 @@ class LineTable:
         return preds, sds
 
 
+def _nonzeros(d: list[float], position: list[int]) -> list[tuple[int, float]]:
+    """(index into the solve's inverse, value) for each nonzero entry of d on a feature the solve has seen."""
+    return [(position[f], v) for f, v in enumerate(d) if v and position[f] >= 0]
+
+
+def _quadratic(inverse: list[list[float]], u: list[tuple[int, float]], v: list[tuple[int, float]]) -> float:
+    """u' A^-1 v for sparse u, v (_nonzeros)."""
+    return sum(a_v * sum(inverse[a][b] * b_v for b, b_v in v) for a, a_v in u)
+
+
+def _spd_inverse(a: list[list[float]]) -> list[list[float]]:
+    """The inverse of a small symmetric positive definite matrix (Gauss-Jordan; no pivoting is needed)."""
+    n = len(a)
+    m = [row[:] + [1.0 if i == j else 0.0 for j in range(n)] for i, row in enumerate(a)]
+    for c in range(n):
+        pivot = m[c]
+        inv_p = 1.0 / pivot[c]
+        for j in range(2 * n):
+            pivot[j] *= inv_p
+        for r in range(n):
+            if r != c:
+                row = m[r]
+                f = row[c]
+                if f:
+                    for j in range(2 * n):
+                        row[j] -= f * pivot[j]
+    return [row[n:] for row in m]
+
+
 def _zero_sets(dp: Any, dq: Any) -> tuple[list[list[bool]], list[list[float]]]:
     """For each pair (i, j), where the vector dp[i, j] + b dq[i, j] is zero: always (first list True), or at
     one b only (second list: that b), or nowhere (False, NaN)."""
@@ -332,9 +384,10 @@ def _zero_sets(dp: Any, dq: Any) -> tuple[list[list[bool]], list[list[float]]]:
 @dataclass
 class _Solution:
     weights: list[float]
-    inverse: Any          # A^-1 over the seen features
+    inverse: list[list[float]]   # A^-1 over the seen features
     seen: list[bool]
     variance: float
+    position: list[int]          # per feature: its row in `inverse`, -1 where unseen
 
 
 def bucket(batch: int) -> int:

@@ -884,3 +884,39 @@ def test_a_rollouts_tail_gets_every_bucket_timed_and_stops_drafting_where_it_doe
     # a bucket's choice is its own: the tail moving through buckets is not the choice moving, so the probes
     # keep backing off
     assert sum(s[3] for s in late) <= 0.02 * len(late), sum(s[3] for s in late)
+
+
+def test_the_fits_plain_python_algebra_matches_numpys():
+    """OnlineLinearFit solves in plain Python (numpy is slow in the engine core between model steps): its
+    inverse, weights and standard errors are numpy's to rounding."""
+    from skyrl_mtp.rollout.adaptive_speculation import _spd_inverse
+
+    rng = np.random.default_rng(0)
+    m = rng.normal(size=(6, 6))
+    a = m @ m.T + 0.1 * np.eye(6)
+    assert np.allclose(_spd_inverse(a.tolist()), np.linalg.inv(a), rtol=1e-9, atol=1e-12)
+    fit = OnlineLinearFit(6, decay=0.99)
+    samples = []
+    for _ in range(300):
+        k = int(rng.integers(0, 2))   # k <= 1: the last two features (k >= 2) stay unseen
+        b = int(rng.integers(1, 64))
+        x = step_features(b * (1 + k), b, k)
+        y = 0.004 + 1e-4 * b * (1 + k) + 0.002 * (k > 0) + 1e-3 * rng.random()
+        fit.add(x, y)
+        samples.append((x, y))
+    xs = np.asarray([x for x, _ in samples])
+    ys = np.asarray([y for _, y in samples])
+    wts = 0.99 ** np.arange(len(samples) - 1, -1, -1)
+    xtx, xty = (xs * wts[:, None]).T @ xs, (xs * wts[:, None]).T @ ys
+    seen = np.diag(xtx) > 0
+    assert seen.tolist() == [True] * 4 + [False] * 2
+    inv = np.linalg.inv(xtx[np.ix_(seen, seen)] + np.diag(fit.ridge * np.diag(xtx)[seen]))
+    w = np.zeros(6)
+    w[seen] = inv @ xty[seen]
+    assert fit.weights() == pytest.approx(w.tolist(), rel=1e-7, abs=1e-12)
+    rss = float((wts * ys * ys).sum() - 2 * w @ xty + w @ xtx @ w)
+    var = rss / (fit.weight - 6)
+    xa, xb = step_features(40, 20, 1), step_features(20, 20, 0)
+    d = (np.asarray(xa) - np.asarray(xb))[seen]
+    assert fit.difference_sd(xa, xb) == pytest.approx(math.sqrt(d @ inv @ d * var), rel=1e-6)
+    assert fit.difference_sd(step_features(80, 20, 3), xb) == math.inf   # along an unseen feature
