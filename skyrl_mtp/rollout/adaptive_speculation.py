@@ -273,10 +273,9 @@ class LineRows:
     def __init__(self, ps: list[list[float]], qs: list[list[float]]):
         p, q = np.asarray(ps, dtype=np.float64), np.asarray(qs, dtype=np.float64)
         self.n = len(ps)
-        self.p, self.q = p, q
+        self.p_rows, self.q_rows = p.tolist(), q.tolist()
         self.dp, self.dq = p[:, None, :] - p[None, :, :], q[:, None, :] - q[None, :, :]
         self.same = _zero_sets(self.dp, self.dq)
-        self.p_rows, self.q_rows = [list(map(float, r)) for r in ps], [list(map(float, r)) for r in qs]
         dp, dq = self.dp.tolist(), self.dq.tolist()
         self.pair_diffs = [[(dp[i][j], dq[i][j]) for j in range(self.n)] for i in range(self.n)]
         self._explored: dict[tuple[bool, ...], tuple] = {}
