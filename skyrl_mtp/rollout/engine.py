@@ -174,7 +174,8 @@ class InferenceEngine:
         if self.cfg.adaptive_speculation:   # after model load: the hook wraps the runner and its drafter
             adaptive = (await self._engine.collective_rpc("skyrl_install_adaptive_speculation"))[0]
         replay_cache = await self.kv_replay_cache_stats()
-        if self.cfg.num_speculative_tokens > 0 and replay_cache is None:
+        if self.cfg.num_speculative_tokens > 0 and not self.cfg.adaptive_speculation and replay_cache is None:
+            # (auto's scheduler installs the memo itself, and reports it with the policy's stats)
             logger.warning("engine %d: vLLM did not run skyrl_mtp's general plugin in its engine core (VLLM_PLUGINS "
                            "leaves it out, or skyrl_mtp was installed without its entry points): its scheduler "
                            "recomputes every request's replay boundaries every step (kv_replay_cache.py)",
