@@ -71,7 +71,7 @@ def drain(requests: int, rng: random.Random) -> list[int]:
 def replay(seed: int, rollouts: int, requests: int, final_acceptance: float, k_max: int, explore_budget: float,
            improves_at: int = 0) -> dict:
     rng = random.Random(seed)
-    policy = SpeculationPolicy(k_max=k_max, explore_budget=explore_budget)
+    policy = SpeculationPolicy(k_max=k_max, max_batch=requests, explore_budget=explore_budget)   # as an engine's max_num_seqs
     spent = modelled = explore_regret = choice_regret = after_warmup = 0.0
     steps = at_best = 0
     follows_after = None

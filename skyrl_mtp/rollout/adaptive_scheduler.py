@@ -70,7 +70,10 @@ class AdaptiveSpeculationScheduler(Scheduler):
         _require("self.scheduler.reset_prefix_cache(" in inspect.getsource(EngineCore.reset_prefix_cache),
                  "EngineCore.reset_prefix_cache no longer calls the scheduler's (a weight sync would not reach "
                  "the acceptance estimate)")
-        self.policy = SpeculationPolicy(k_max=self.num_spec_tokens, explore_budget=explore_budget_from_env(os.environ))
+        _require(isinstance(getattr(self, "max_num_running_reqs", None), int),
+                 "vLLM's Scheduler has no int `max_num_running_reqs` (the engine's max_num_seqs)")
+        self.policy = SpeculationPolicy(k_max=self.num_spec_tokens, max_batch=self.max_num_running_reqs,
+                                        explore_budget=explore_budget_from_env(os.environ))
         self._step: _Step | None = None
         self._finished: _Step | None = None
         self._prev_k = -1

@@ -144,6 +144,7 @@ class AcceptanceEstimate:
                 if self.attempts[i] + self.prior_weight > 0 else self.prior_rate for i in range(self.k_max)]
 
 
+STEP_SECONDS_FLOOR = 1e-6   # CostModel.step_seconds never predicts less (a fit can extrapolate below zero)
 FOLD_EVERY = 64   # OnlineLinearFit folds its queued samples at least this often (a fit nobody reads stays small)
 
 
@@ -316,6 +317,10 @@ class LineTable:
                     u, v = _nonzeros(dp, pos), _nonzeros(dq, pos)
                     pp[i][j], pq[i][j], qq[i][j] = _quadratic(inv, u, u), _quadratic(inv, u, v), _quadratic(inv, v, v)
         self._pairs = [list(zip(*cols)) for cols in zip(pp, pq, qq, *rows.same, *rows.explored(tuple(sol.seen)))]
+
+    def prediction(self, i: int, b: float) -> float:
+        """predict(x_i(b)) alone (the same floating-point operations as at(b))."""
+        return self._a[i] + b * self._c[i]
 
     def at(self, b: float) -> tuple[list[float], list[list[float]]]:
         """predict(x_i(b)) for each row, and difference_sd(x_i(b), x_j(b)) for every pair."""
@@ -494,7 +499,7 @@ class CostModel:
         ks = range(self.k_max + 1)
         # the last row, all zeros: difference_sd against it is the prediction's own standard error
         preds, sds = lines.at(float(batch))
-        seconds = [max(preds[k], 1e-6) for k in ks]
+        seconds = [max(preds[k], STEP_SECONDS_FLOOR) for k in ks]
         step_sd = [sds[k][-1] for k in ks]
         weights = ([1.0] * len(seconds) if any(math.isinf(v) or v <= 0 for v in step_sd)
                    else [1.0 / (v * v) for v in step_sd])
@@ -503,6 +508,12 @@ class CostModel:
     def step_seconds(self, batch: int, k: int) -> float:
         """Steady-state decode step with k drafts per request: verify b*(1+k) tokens, then draft k."""
         return self.table(batch).seconds[k]
+
+    def line_seconds(self, batch: int, k: int) -> float:
+        """The fit's prediction for k at this batch, read off its line without building the batch's table:
+        step_seconds(batch, k) wherever that prediction is above step_seconds' floor (1e-6 s)."""
+        fit = self._fit(batch)
+        return self._lines(fit, fit.solves()).prediction(k, float(batch))
 
     def step_sd(self, batch: int, k: int) -> float:
         """Standard error of step_seconds(batch, k)."""
@@ -524,11 +535,16 @@ class CostModel:
         """What k drafts per request add to a step at least, known from timings: their extra time over k = 0
         at the smallest batch of the largest bucket below this one that was timed at every k (drafting for
         more requests costs no less); 0 when there is none."""
-        below = [b for b in self.covered_buckets() if b < bucket(batch)]
+        return self.draft_seconds_floors(batch)[k]
+
+    def draft_seconds_floors(self, batch: int) -> list[float]:
+        """draft_seconds_floor for every k (0..k_max), reading the reference batch's predictions once."""
+        b = bucket(batch)
+        below = [c for c, ks in self.seen_k.items() if c < b and len(ks) == self.k_max + 1]
         if not below:
-            return 0.0
-        ref = 1 << (below[-1] - 1)
-        return max(self.step_seconds(ref, k) - self.step_seconds(ref, 0), 0.0)
+            return [0.0] * (self.k_max + 1)
+        seconds = self.table(1 << (max(below) - 1)).seconds
+        return [max(s - seconds[0], 0.0) for s in seconds]
 
 
 @dataclass(frozen=True)
@@ -602,6 +618,34 @@ def plausible_rival(alphas: list[float], cost: CostModel, batch: int, k_max: int
     return rival
 
 
+def settled_across(alphas: list[float], cost: CostModel, lo: int, hi: int, k_max: int, best: int) -> bool:
+    """True when, at every batch size in [lo, hi] (one fit's bucket), best_k with `best` as the incumbent
+    keeps `best` and plausible_rival finds no rival to it; checked at lo and hi only.
+
+    Between the ends each k's cost is linear in the batch (the fit's line) and the standard error of a
+    difference is the norm of an affine function of it, so convex. Where at both ends the costs rise with k
+    (isotonic regression changes nothing) and stay above step_seconds' floor, and for every k != best
+    tokens[best] * (cost[k] - sd) - tokens[k] * cost[best] > 0 (k is no rival, even with its cost one
+    standard error lower; this also keeps best_k at best, as deeper ks carry more tokens), that difference is
+    concave in the batch, so positive everywhere between. An infinite standard error at either end, or
+    expected tokens that do not rise with k, are left to the per-batch computation (False)."""
+    tokens = [expected_tokens(alphas, k) for k in range(k_max + 1)]
+    if any(deeper <= shallower for shallower, deeper in zip(tokens, tokens[1:])):
+        return False
+    for batch in dict.fromkeys((lo, hi)):
+        table = cost.table(batch)
+        costs = table.seconds
+        if table.monotone != costs or min(costs) <= STEP_SECONDS_FLOOR:
+            return False
+        for k in range(k_max + 1):
+            if k == best:
+                continue
+            sd = table.difference_sd[k][best]
+            if math.isinf(sd) or tokens[best] * (costs[k] - sd) - tokens[k] * costs[best] <= 0.0:
+                return False
+    return True
+
+
 def regret_seconds(alphas: list[float], cost: CostModel, batch: int, k: int, best: int) -> float:
     """What one step at k instead of `best` costs in engine time: its predicted time minus the time the best
     k needs for the tokens it is expected to emit (never negative). A shallower step is cheaper but emits
@@ -664,6 +708,7 @@ class SpeculationPolicy:
     second step runs at a batch many times the one their regret was charged at."""
 
     k_max: int
+    max_batch: int | None = None   # the engine's most requests per step (max_num_seqs), where known
     warmup_cycles: int = 3
     probe_every: int = 32
     probe_every_max: int = 512
@@ -693,6 +738,9 @@ class SpeculationPolicy:
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
     _memo: tuple[tuple, tuple[int, int, float]] | None = None   # _model_choice's inputs -> (best, rival, its step time)
+    # _model_choice's inputs but the batch -> 0 where no batch size of that bucket up to the engine's max_batch
+    # drafts or has a rival (settled_across), None where that does not hold (computed per batch size), and that top
+    _settled: tuple[tuple, int | None, int] | None = None
     _next_challenge_at: int = 0
     _challenge_gap: int = 0
     seconds_saved: float = 0.0     # engine seconds the verified drafts saved (credit_verified; may be < 0)
@@ -700,6 +748,8 @@ class SpeculationPolicy:
     def __post_init__(self) -> None:
         if self.k_max < 1:
             raise ValueError(f"k_max={self.k_max}: adaptive speculation needs a maximum of at least 1")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch={self.max_batch}: an engine runs at least one request per step")
         if not 0.0 <= self.explore_budget <= 1.0:
             raise ValueError(f"explore_budget={self.explore_budget}: a share of engine time in [0, 1]")
         if self.acceptance is None:
@@ -780,17 +830,35 @@ class SpeculationPolicy:
 
     def _model_choice(self, batch: int) -> int:
         """best_k, computed again only when its inputs changed (the engine asks every step; between timed
-        steps, acceptance updates and re-solves of the fit, it gets the same answer)."""
+        steps, acceptance updates and re-solves of the fit, it gets the same answer). A rollout's draining
+        tail brings a new batch size every step or two; where not drafting provably holds across the bucket
+        (settled_across: k = 0 and no rival at every size in it), it is not computed again for each size."""
         b = bucket(batch)
-        key = (batch, self._incumbent.get(b, 0), self.cost.state(batch), self.acceptance, self.acceptance.version)
-        if self._memo is None or self._memo[0] != key:
-            alphas = self.acceptance.rates()
-            best, rates = best_k(alphas, self.cost, batch, self.k_max, key[1])
-            if best and not self.cost.covers(batch):
-                best = 0   # drafting is adopted on this batch size's own timings only, never extrapolated
-            self._memo = (key, (best, plausible_rival(alphas, self.cost, batch, self.k_max, best, rates),
-                                self.cost.step_seconds(batch, best)))
-        return self._memo[1][0]
+        span = (b, self._incumbent.get(b, 0), self.cost.state(batch), self.acceptance, self.acceptance.version)
+        key = (batch, *span)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1][0]
+        settled = None
+        if self._settled is not None and self._settled[0] == span and batch <= self._settled[2]:
+            settled = self._settled[1]
+        if settled is not None:
+            self._memo = (key, (settled, -1, self.cost.line_seconds(batch, settled)))
+            return settled
+        alphas = self.acceptance.rates()
+        best, rates = best_k(alphas, self.cost, batch, self.k_max, span[1])
+        covered = self.cost.covers(batch)
+        if best and not covered:
+            best = 0   # drafting is adopted on this batch size's own timings only, never extrapolated
+        rival = plausible_rival(alphas, self.cost, batch, self.k_max, best, rates)
+        self._memo = (key, (best, rival, self.cost.step_seconds(batch, best)))
+        # judged once per bucket and inputs, and only where the bucket does not draft: a drafting step changes
+        # the acceptance (so the inputs) every step, where the judgement would add work and save none
+        if best == 0 and (self._settled is None or self._settled[0] != span):
+            top = (1 << b) - 1 if self.max_batch is None else min((1 << b) - 1, max(self.max_batch, batch))
+            holds = rival < 0 and (span[1] == 0 or not covered) and settled_across(
+                alphas, self.cost, 1 << (b - 1), top, self.k_max, 0)
+            self._settled = (span, 0 if holds else None, top)
+        return best
 
     def _calibration_due(self, batch: int) -> bool:
         """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
@@ -803,17 +871,18 @@ class SpeculationPolicy:
         buckets a rollout's tail passes through (64, 32, ..., 1 sequences left) is spread over the run
         instead of front-loaded."""
         alphas = self.acceptance.rates()
-        if expected_tokens(alphas, self.k_max) < 1.0 + self.min_gain:
+        tokens = [expected_tokens(alphas, k) for k in range(self.k_max + 1)]
+        if tokens[-1] < 1.0 + self.min_gain:
             return False
         if not self.timing_valid:
             return True
-        b = max(batch, 1)
-        best = 0   # what a bucket not yet timed at every k runs (_model_choice)
-        hopeful = self._hopeful_costs(b)
-        rates = [expected_tokens(alphas, k) / c for k, c in enumerate(hopeful)]
+        hopeful = self._hopeful_costs(max(batch, 1))
+        rates = [t / c for t, c in zip(tokens, hopeful)]
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
-        extra = sum(regret_from_costs(alphas, hopeful, k, best) for k in self._calibration(batch))
+        # regret_from_costs against k = 0, what a bucket not yet timed at every k runs (_model_choice)
+        per_token = hopeful[0] / tokens[0]
+        extra = sum(max(hopeful[k] - per_token * tokens[k], 0.0) for k in self._calibration(batch))
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _hopeful_costs(self, batch: int) -> list[float]:
@@ -823,10 +892,11 @@ class SpeculationPolicy:
         drafts at one batch only cannot tell a draft's fixed cost from its per-request cost, and extrapolated
         to a larger batch its prediction can be several times too high, with a standard error to match; the
         cycle is what finds out, and it runs once per bucket."""
-        base = self.cost.step_seconds(batch, 0)
-        return [base] + [max(self.cost.step_seconds(batch, k) - self.cost.difference_sd(batch, k, 0),
-                             base + self.cost.draft_seconds_floor(batch, k))
-                         for k in range(1, self.k_max + 1)]
+        table = self.cost.table(batch)
+        seconds, sd = table.seconds, table.difference_sd
+        floors = self.cost.draft_seconds_floors(batch)
+        base = seconds[0]
+        return [base] + [max(seconds[k] - sd[k][0], base + floors[k]) for k in range(1, self.k_max + 1)]
 
     def _challenge(self, best: int, rival: int, batch: int) -> int:
         """Two steps at a plausible rival (plausible_rival: it may beat the best k within the fit's standard
@@ -900,7 +970,7 @@ class SpeculationPolicy:
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
-                "explore_budget": self.explore_budget, "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
+                "explore_budget": self.explore_budget, "max_batch": self.max_batch, "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
                 "calibrated_buckets": self.cost.covered_buckets(), "seconds_saved": self.seconds_saved}

@@ -66,6 +66,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     # warm-up, timing cycles, probes and challenges explored (every step is one or the other, or both)
     policy = stats["policy"]
     assert policy["explore_budget"] == 0.03   # EngineConfig.explore_budget reached the engine core's policy
+    assert policy["max_batch"] == auto.cfg.max_num_seqs   # the scheduler's max_num_seqs bounds its bucket checks
     model = policy["model_k_histogram"]
     assert policy["steps"] >= stats["steps"] and 0 < sum(model) < policy["steps"], policy
     assert policy["explored_steps"] >= 3 * 2 * 4   # at least the warm-up: 3 cycles of each k in 0..3 twice

@@ -23,7 +23,9 @@ from skyrl_mtp.rollout.adaptive_speculation import (
     explore_budget_from_env,
     install,
     isotonic,
+    plausible_rival,
     regret_seconds,
+    settled_across,
     step_features,
     step_savings,
 )
@@ -920,3 +922,51 @@ def test_the_fits_plain_python_algebra_matches_numpys():
     d = (np.asarray(xa) - np.asarray(xb))[seen]
     assert fit.difference_sd(xa, xb) == pytest.approx(math.sqrt(d @ inv @ d * var), rel=1e-6)
     assert fit.difference_sd(step_features(80, 20, 3), xb) == math.inf   # along an unseen feature
+
+
+def _choice_computed_per_batch(pol: SpeculationPolicy, batch: int) -> tuple[int, int, float]:
+    """_model_choice's (best, rival, step time) as computed for this batch size alone."""
+    alphas = pol.acceptance.rates()
+    best, rates = best_k(alphas, pol.cost, batch, pol.k_max, pol._incumbent.get(bucket(batch), 0))
+    if best and not pol.cost.covers(batch):
+        best = 0
+    return best, plausible_rival(alphas, pol.cost, batch, pol.k_max, best, rates), pol.cost.step_seconds(batch, best)
+
+
+@pytest.mark.parametrize(("alphas", "at_least"), [([0.0, 0.0, 0.0], 200), ([0.75, 0.6, 0.5], 60),
+                                                  ([0.9, 0.85, 0.8], 0), ([0.99, 0.99, 0.99], 0)])
+def test_a_choice_settled_across_its_bucket_is_the_one_each_batch_size_would_get(alphas, at_least):
+    """Where not drafting is settled across a bucket (settled_across), _model_choice answers a new batch size
+    of it without computing it again: its k, rival (none) and step time are bit-identical to the per-batch
+    computation at every step of RL rollouts, at acceptances where the engine stops drafting (where it takes
+    the shortcut, `at_least` times), drafts deeply, and in between."""
+    pol = SpeculationPolicy(k_max=3, max_batch=64)
+    rng = random.Random(0)
+    shortcuts = []
+    line_seconds = pol.cost.line_seconds
+    pol.cost.line_seconds = lambda batch, k: shortcuts.append(batch) or line_seconds(batch, k)   # a spy
+    shape = [(1, False)] + [(64, False)] * 3 + [(64, True)] * 20 + [
+        (b, True) for b in (63, 60, 52, 47, 40, 36, 32, 29, 20, 18, 16, 12, 9, 8, 7, 6, 5, 4, 3, 2, 2, 1, 1)]
+    prev = -1
+    for _ in range(30):
+        pol.on_new_weights()
+        for batch, steady in shape:
+            expected = _choice_computed_per_batch(pol, batch)
+            assert pol._model_choice(batch) == expected[0]
+            assert pol._memo[1] == expected
+            k = pol.choose(batch, steady)
+            if k:
+                pol.acceptance.observe([k] * batch, _accepted(rng, alphas, k, batch))
+            if steady and k == prev and pol.timing_valid:
+                pol.cost.observe(batch * (1 + k), batch, k, _tiny_default_step(batch, k) * math.exp(rng.gauss(0, 0.1)))
+            prev = k
+    assert len(shortcuts) >= at_least, len(shortcuts)   # the shortcut was taken, not only the per-batch path
+
+
+def test_settled_across_refuses_a_bucket_where_the_answer_changes_inside_it():
+    """Drafting pays at the small end of a bucket and not at the large end: no single answer holds there."""
+    cost = _cost(0.010, 1e-4, 0.001, 7e-5, 0.010, 1e-4, batches=(32, 40, 48, 56, 63))
+    alphas = [0.6, 0.5, 0.4]
+    answers = {best_k(alphas, cost, b, 3, 0)[0] for b in range(32, 64)}
+    assert len(answers) > 1, answers
+    assert not any(settled_across(alphas, cost, 32, 63, 3, k) for k in range(4))
