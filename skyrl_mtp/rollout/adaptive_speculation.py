@@ -539,11 +539,10 @@ class CostModel:
 
     def draft_seconds_floors(self, batch: int) -> list[float]:
         """draft_seconds_floor for every k (0..k_max), reading the reference batch's predictions once."""
-        b = bucket(batch)
-        below = [c for c, ks in self.seen_k.items() if c < b and len(ks) == self.k_max + 1]
+        below = [b for b in self.covered_buckets() if b < bucket(batch)]
         if not below:
             return [0.0] * (self.k_max + 1)
-        seconds = self.table(1 << (max(below) - 1)).seconds
+        seconds = self.table(1 << (below[-1] - 1)).seconds
         return [max(s - seconds[0], 0.0) for s in seconds]
 
 
@@ -738,9 +737,9 @@ class SpeculationPolicy:
     _spent: float = 0.0            # predicted engine seconds of the steps chosen by the model
     _spent_at_probe: float = 0.0
     _memo: tuple[tuple, tuple[int, int, float]] | None = None   # _model_choice's inputs -> (best, rival, its step time)
-    # _model_choice's inputs but the batch -> 0 where no batch size of that bucket up to the engine's max_batch
-    # drafts or has a rival (settled_across), None where that does not hold (computed per batch size), and that top
-    _settled: tuple[tuple, int | None, int] | None = None
+    # _model_choice's inputs but the batch -> whether no batch size of that bucket up to the engine's max_batch
+    # drafts or has a rival (settled_across; where not, each size is computed), and that top
+    _settled: tuple[tuple, bool, int] | None = None
     _next_challenge_at: int = 0
     _challenge_gap: int = 0
     seconds_saved: float = 0.0     # engine seconds the verified drafts saved (credit_verified; may be < 0)
@@ -838,12 +837,9 @@ class SpeculationPolicy:
         key = (batch, *span)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1][0]
-        settled = None
-        if self._settled is not None and self._settled[0] == span and batch <= self._settled[2]:
-            settled = self._settled[1]
-        if settled is not None:
-            self._memo = (key, (settled, -1, self.cost.line_seconds(batch, settled)))
-            return settled
+        if self._settled is not None and self._settled[:2] == (span, True) and batch <= self._settled[2]:
+            self._memo = (key, (0, -1, self.cost.line_seconds(batch, 0)))
+            return 0
         alphas = self.acceptance.rates()
         best, rates = best_k(alphas, self.cost, batch, self.k_max, span[1])
         covered = self.cost.covers(batch)
@@ -857,7 +853,7 @@ class SpeculationPolicy:
             top = (1 << b) - 1 if self.max_batch is None else min((1 << b) - 1, max(self.max_batch, batch))
             holds = rival < 0 and (span[1] == 0 or not covered) and settled_across(
                 alphas, self.cost, 1 << (b - 1), top, self.k_max, 0)
-            self._settled = (span, 0 if holds else None, top)
+            self._settled = (span, holds, top)
         return best
 
     def _calibration_due(self, batch: int) -> bool:
@@ -880,9 +876,8 @@ class SpeculationPolicy:
         rates = [t / c for t, c in zip(tokens, hopeful)]
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
-        # regret_from_costs against k = 0, what a bucket not yet timed at every k runs (_model_choice)
-        per_token = hopeful[0] / tokens[0]
-        extra = sum(max(hopeful[k] - per_token * tokens[k], 0.0) for k in self._calibration(batch))
+        # against k = 0, what a bucket not yet timed at every k runs (_model_choice)
+        extra = sum(regret_from_costs(alphas, hopeful, k, 0) for k in self._calibration(batch))
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _hopeful_costs(self, batch: int) -> list[float]:
