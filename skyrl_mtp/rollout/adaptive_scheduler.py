@@ -45,6 +45,7 @@ class _Step:
     batch: int
     k: int
     timed: bool     # a decode-only step at the same k as the previous one (CostModel.observe)
+    settle: int = -1   # a decode-only step settling after an exploration: its position (observe_settle)
     t_end: float = 0.0
 
 
@@ -95,8 +96,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
             len(d) for d in out.scheduled_spec_decode_tokens.values())
         k = self.policy.choose(batch, decode_only)
         out.num_spec_tokens_to_schedule = k
-        timed = k == self._prev_k and decode_only
-        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed)
+        settle = self.policy.settling if decode_only else -1
+        timed = k == self._prev_k and decode_only and settle < 0   # settling steps stay out of k = 0's fit
+        self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed, settle)
         self._prev_k = k
         return out
 
@@ -126,7 +128,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
 
     def end_step(self) -> None:
         step, self._step = self._step, None
-        if step is not None and step.timed and self.policy.timing_valid:
+        if step is not None and (step.timed or step.settle >= 0) and self.policy.timing_valid:
             step.t_end = time.perf_counter()
             self._finished = step
 
@@ -136,7 +138,10 @@ class AdaptiveSpeculationScheduler(Scheduler):
         longer than the step itself means the engine went idle (no requests), and the step is not timed."""
         step, self._finished = self._finished, None
         if step is not None and now - step.t_end <= 2.0 * (step.t_end - step.t0) + IDLE_GAP_S:
-            self.policy.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
+            if step.settle >= 0:
+                self.policy.observe_settle(step.settle, step.num_tokens, step.batch, now - step.t0)
+            else:
+                self.policy.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
 
 
 def install_post_step_guard() -> None:

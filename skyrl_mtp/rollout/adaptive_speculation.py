@@ -515,6 +515,10 @@ class CostModel:
         fit = self._fit(batch)
         return self._lines(fit, fit.solves()).prediction(k, float(batch))
 
+    def predict(self, num_tokens: int, batch: int, k: int) -> float:
+        """The fit's time for one step of these features (the bucket's fit once it is timed at every k)."""
+        return self._fit(batch).predict(step_features(num_tokens, batch, k))
+
     def step_sd(self, batch: int, k: int) -> float:
         """Standard error of step_seconds(batch, k)."""
         return self.table(batch).sd[k]
@@ -699,6 +703,13 @@ class SpeculationPolicy:
     explorations predicted to cost nothing run). So exploring stays a small share of the time both where a
     draft step costs many plain steps and where a shallower step gives up accepted drafts.
 
+    Settling: the plain steps right after an exploration has returned to k = 0 run slower than plain steps
+    do (seen on the CPU runner: the three after the step that verifies the last drafts took 7.2 / 6.5 / 5.9
+    ms against 5.6). No k is timed there, so no fit sees it: those `settle_steps` steps are kept out of
+    k = 0's fit, their time beyond its prediction is averaged per position (`observe_settle`), and that
+    excess (`settle_seconds`) is charged to every exploration that leaves k = 0, with its predicted regret.
+    So `explore_budget` bounds what exploring costs, not only what its own steps cost.
+
     Steady steps only: a probe, challenge or bucket calibration starts on a step that schedules decode tokens
     only (`choose(batch, steady=True)`), the one kind of step the engine times, and its queued steps are
     dropped once the batch leaves the bucket it was chosen for or a step takes prompt tokens. A rollout's
@@ -743,6 +754,14 @@ class SpeculationPolicy:
     _next_challenge_at: int = 0
     _challenge_gap: int = 0
     seconds_saved: float = 0.0     # engine seconds the verified drafts saved (credit_verified; may be < 0)
+    settle_steps: int = 3
+    settle_decay: float = 0.9
+    # the step just chosen is the i-th plain step (0-based) after the one that verified an exploration's last
+    # drafts on the way back to the model's k = 0; -1 when it is not one of the first `settle_steps`
+    settling: int = -1
+    settle_excess: list[float] = field(default_factory=list)   # per position: decayed mean of time beyond k = 0's fit
+    settle_weight: list[float] = field(default_factory=list)   # per position: decayed count of those timings
+    _back: int = -1                # steps at k = 0 since the last step that drafted (capped at settle_steps + 2)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -755,8 +774,14 @@ class SpeculationPolicy:
             self.acceptance = AcceptanceEstimate(self.k_max)
         if self.cost is None:
             self.cost = CostModel(self.k_max)
+        if self.settle_steps < 0 or not 0.0 < self.settle_decay < 1.0:
+            raise ValueError(f"settle_steps={self.settle_steps}, settle_decay={self.settle_decay}: need "
+                             "settle_steps >= 0 and 0 < settle_decay < 1")
         self.histogram = [0] * (self.k_max + 1)
         self.model_histogram = [0] * (self.k_max + 1)
+        self.settle_excess = [0.0] * self.settle_steps
+        self.settle_weight = [0.0] * self.settle_steps
+        self._back = self.settle_steps + 2   # nothing drafted yet: nothing to settle from
 
     @property
     def timing_valid(self) -> bool:
@@ -825,7 +850,34 @@ class SpeculationPolicy:
         if chosen >= 0:
             self.model_histogram[chosen] += 1
         self.explored_steps += int(queued or k != chosen)
+        self._track_settling(k, queued or k != chosen)
         return k
+
+    def _track_settling(self, k: int, explored: bool) -> None:
+        """Which of the plain steps back at the model's k = 0 after drafting this one is (`settling`)."""
+        if k:
+            self._back, self.settling = 0, -1
+            return
+        # the first step back verifies the last drafts (the exploration's own cost); an exploration's queued
+        # k = 0 steps (a calibration cycle's) count along but are timed for the fit as they always were
+        self._back = min(self._back + 1, self.settle_steps + 2)
+        self.settling = self._back - 2 if not explored and 2 <= self._back < self.settle_steps + 2 else -1
+
+    @property
+    def settle_seconds(self) -> float:
+        """What the plain steps after an exploration that returns to k = 0 take beyond k = 0's fitted time,
+        summed over the positions timed so far (what is known; each at least 0)."""
+        return sum(max(e, 0.0) for e, w in zip(self.settle_excess, self.settle_weight) if w > 0.0)
+
+    def observe_settle(self, position: int, num_tokens: int, batch: int, seconds: float) -> None:
+        """A steady step at k = 0, `position` steps into the settling after an exploration (`settling` when
+        it was chosen): its time beyond k = 0's fitted time, a stall clipped as CostModel.observe clips it."""
+        if not 0 <= position < self.settle_steps:
+            raise ValueError(f"settle position {position} outside 0..{self.settle_steps - 1}")
+        predicted = max(self.cost.predict(num_tokens, batch, 0), 1e-6)
+        excess = min(seconds, self.cost.stall_ratio * predicted) - predicted
+        w = self.settle_weight[position] = self.settle_decay * self.settle_weight[position] + 1.0
+        self.settle_excess[position] += (excess - self.settle_excess[position]) / w
 
     def _model_choice(self, batch: int) -> int:
         """best_k, computed again only when its inputs changed (the engine asks every step; between timed
@@ -877,7 +929,8 @@ class SpeculationPolicy:
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
             return False
         # against k = 0, what a bucket not yet timed at every k runs (_model_choice)
-        extra = sum(regret_from_costs(alphas, hopeful, k, 0) for k in self._calibration(batch))
+        cycle = self._calibration(batch)
+        extra = sum(regret_from_costs(alphas, hopeful, k, 0) for k in cycle) + self.settle_seconds * any(cycle)
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _hopeful_costs(self, batch: int) -> list[float]:
@@ -935,6 +988,8 @@ class SpeculationPolicy:
         best and verifies k's drafts. The first and the last together do about the work of one steady step at
         each k, so the excursion costs two steady steps at k in place of two at best."""
         extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
+        if best == 0:
+            extra += self.settle_seconds
         return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _next_probe(self, best: int, probe: int) -> int:
@@ -965,10 +1020,13 @@ class SpeculationPolicy:
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
-                "explore_budget": self.explore_budget, "max_batch": self.max_batch, "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
+                "explore_budget": self.explore_budget, "max_batch": self.max_batch,
+                "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
-                "calibrated_buckets": self.cost.covered_buckets(), "seconds_saved": self.seconds_saved}
+                "calibrated_buckets": self.cost.covered_buckets(), "seconds_saved": self.seconds_saved,
+                "settle_seconds": self.settle_seconds, "settle_excess_per_pos": list(self.settle_excess),
+                "settle_timings_per_pos": list(self.settle_weight)}
 
 
 # ----------------------------------------------------------------------------------- the vLLM hook

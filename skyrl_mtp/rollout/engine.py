@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from skyrl_mtp.rollout import kv_replay_cache
@@ -30,20 +31,14 @@ CPU_SAMPLING_FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
 DRAFT_INVARIANT_SAMPLING_ENV = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
 
 
-def engine_environment(cfg: EngineConfig, engine_index: int, cpu_count: int | None) -> dict[str, str]:
-    """Environment variables the engine process sets before building vLLM (inherited by its workers).
-
-    On CPU each engine's worker is pinned to its own core (vLLM's "auto" binding pins every engine's
-    worker to core 0), unless the user set VLLM_CPU_OMP_THREADS_BIND.
-    """
+def engine_environment(cfg: EngineConfig) -> dict[str, str]:
+    """Environment variables the engine process sets before building vLLM (inherited by its workers)."""
     env = {CPU_SAMPLING_FIX_ENV: "1" if cfg.cpu_sampling_fix else "0",
            DRAFT_INVARIANT_SAMPLING_ENV: "1" if cfg.draft_invariant_sampling else "0"}
     if cfg.num_speculative_tokens > 0:   # read by the vLLM plugin in the engine core (kv_replay_cache.py)
         env[kv_replay_cache.ENV_VAR] = "1"
     if cfg.adaptive_speculation:   # read by the engine core's scheduler (adaptive_scheduler.py)
         env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
-    if cfg.num_engines > 1 and cpu_count and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(engine_index % cpu_count)
     return env
 
 
@@ -121,19 +116,46 @@ def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
     return out
 
 
-def engine_process_environment(kwargs: dict[str, Any]) -> dict[str, str]:
+def engine_process_environment(kwargs: dict[str, Any], *, on_cpu: bool, engine_index: int = 0,
+                               cpus: Sequence[int] = ()) -> dict[str, str]:
     """What the engine's own process needs for the executor its kwargs name (see cpu_engine_defaults); a
-    value the user set in the environment wins."""
-    if kwargs.get("distributed_executor_backend") == "uni" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return {}
+    value the user set in the environment wins.
+
+    CPU thread binding: vllm-cpu 0.32 reads VLLM_CPU_OMP_THREADS_BIND only when its multiprocessing executor
+    starts the worker processes, where "auto" puts every engine's first worker on the same core. There each
+    worker of engine `engine_index` gets a core of its own, counting down from the last of `cpus` (the cores
+    this process may run on). A "uni" engine binds nothing: its model runs on the EngineCore's thread,
+    where the OS schedules it (a thread bound to a core of its own ran the tiny default's rollouts no
+    faster: docs/benchmarks/step_time_history.md, session 37)."""
+    env: dict[str, str] = {}
+    uni = kwargs.get("distributed_executor_backend") == "uni"
+    if uni and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if on_cpu and not uni and cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        ordered = sorted(cpus)
+        workers = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
+        first = engine_index * workers
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(ordered[-1 - (first + r) % len(ordered)])
+                                                    for r in range(workers))
+    return env
+
+
+def unread_thread_binding(kwargs: dict[str, Any], *, on_cpu: bool) -> str | None:
+    """A warning when the user set VLLM_CPU_OMP_THREADS_BIND for an engine whose executor never reads it."""
+    mask = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if not on_cpu or mask is None or kwargs.get("distributed_executor_backend") != "uni":
+        return None
+    return (f"VLLM_CPU_OMP_THREADS_BIND={mask!r} is ignored: vllm-cpu binds threads only in the worker processes "
+            "of its multiprocessing executor, and this engine runs its one worker in the EngineCore process "
+            "(distributed_executor_backend='uni', skyrl_mtp's CPU default); set "
+            "generator.engine_kwargs.distributed_executor_backend=mp to have vLLM bind them")
 
 
 class InferenceEngine:
     """Ray actor body (wrap with `ray.remote`). All public methods are async and run on the actor's loop."""
 
     def __init__(self, cfg: EngineConfig, engine_index: int = 0):
-        os.environ.update(engine_environment(cfg, engine_index, os.cpu_count()))
+        os.environ.update(engine_environment(cfg))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -142,14 +164,19 @@ class InferenceEngine:
         self.schema: WeightSchema = read_weight_schema(cfg.model_path)
         kwargs = {**cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS), **cfg.engine_kwargs}
         kwargs.update({k: v for k, v in cpu_engine_defaults(cfg).items() if k not in cfg.engine_kwargs})
-        os.environ.update(engine_process_environment(kwargs))
         import torch
+
+        on_cpu = not torch.cuda.is_available()
+        os.environ.update(engine_process_environment(kwargs, on_cpu=on_cpu, engine_index=engine_index,
+                                                     cpus=sorted(os.sched_getaffinity(0))))
+        if (warning := unread_thread_binding(kwargs, on_cpu=on_cpu)) is not None:
+            logger.warning("engine %d: %s", engine_index, warning)
 
         from skyrl_mtp.models.families import FAMILY_ENV, engine_kwargs_for_family, serving_family
 
         family = serving_family(cfg.model_path)  # what vLLM needs for this model family (e.g. Qwen3.5), if any
         if family is not None:
-            kwargs = engine_kwargs_for_family(family, kwargs, cfg.engine_kwargs, on_cpu=not torch.cuda.is_available())
+            kwargs = engine_kwargs_for_family(family, kwargs, cfg.engine_kwargs, on_cpu=on_cpu)
             family.prepare_vllm_import()
             os.environ[FAMILY_ENV] = family.name  # the workers make the same preparation (worker_extension.py)
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -185,7 +212,7 @@ class InferenceEngine:
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
-                "vllm_kernel_build": checks[0]["vllm_kernel_build"],
+                "vllm_kernel_build": checks[0]["vllm_kernel_build"], "thread_affinity": checks[0]["thread_affinity"],
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}
 
     async def generate(self, prompts: list[list[int]], spec: SamplingSpec,

@@ -66,7 +66,8 @@ class WeightSyncExtension:
                 "weight_transfer_engine": type(engine).__name__,
                 "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
                 "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
-                "vllm_kernel_build": _kernel_build()}
+                "vllm_kernel_build": _kernel_build(),
+                "thread_affinity": sorted(os.sched_getaffinity(0))}   # of the thread that runs the model
 
     def skyrl_warm_up_compiled_ops(self) -> dict:
         """Compile the sampler ops vLLM compiles lazily, now rather than in the middle of a rollout."""

@@ -8,7 +8,8 @@ checkpoints by syncing weights, not by starting engines. The named configuration
 - "nospec": no speculative decoding, fresh on the ORACLE checkpoint (the greedy reference).
 - "k1": MTP k=1, fresh on the ORACLE checkpoint.
 - "k3": MTP k=3, fresh on the RANDOM-head checkpoint (the default tiny one).
-- "k2": MTP k=2, TWO engines behind one client, fresh on the ORACLE checkpoint (passes an engine kwarg).
+- "k2": MTP k=2, TWO engines behind one client, fresh on the ORACLE checkpoint (passes engine kwargs: each
+  runs its worker in a process of its own, vLLM's "mp" executor, where the CPU default is "uni").
 - "k1_vllm_coupling": MTP k=1 on the ORACLE checkpoint with vLLM's own rejection-sampling coupling
   (draft_invariant_sampling=False).
 - "auto": adaptive speculation (k chosen per engine step, maximum 3), fresh on the ORACLE checkpoint.
@@ -141,7 +142,8 @@ def engine_pool(ray_local, random_ckpt, oracle_ckpt):
         "auto": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=3,
                                      adaptive_speculation=True, explore_budget=0.03, **SMALL),
         "k2": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=2, num_engines=2,
-                                   engine_kwargs={"max_num_batched_tokens": 1536}, **SMALL),
+                                   engine_kwargs={"max_num_batched_tokens": 1536, "distributed_executor_backend": "mp"},
+                                   **SMALL),
     }
     pool = EnginePool(configs)
     yield pool

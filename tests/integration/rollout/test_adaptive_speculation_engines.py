@@ -136,6 +136,12 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     assert after["policy"]["seconds_saved"] - after_sync["policy"]["seconds_saved"] < 1e-3, (after_sync, after)
     last = rounds[-1]
     assert last["k0"] > 0.8 * last["steps"], rounds          # settled: not drafting (probes aside)
+    # the plain steps right after drafting stopped (and after each probe since) were timed as settling, apart
+    # from k = 0's fit, and what they took beyond it is charged to the next exploration
+    settle = after["policy"]
+    assert min(settle["settle_timings_per_pos"]) > 0, settle
+    assert settle["settle_seconds"] == pytest.approx(sum(max(e, 0.0) for e in settle["settle_excess_per_pos"]))
+    assert 0.0 <= settle["settle_seconds"] < 0.1, settle
     assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec
     # vLLM's per-request replay boundaries came from the engine core's memo (kv_replay_cache): one miss per
     # distinct prompt length, a hit for every other request on every step

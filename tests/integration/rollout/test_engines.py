@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 
 import pytest
@@ -371,7 +372,13 @@ def test_config_errors_fail_before_any_engine_starts(ray_local, engine_pool, ref
 def test_k2_two_engines_oracle_head_equals_no_spec(engine_pool, refs):
     k2 = engine_pool.get("k2")
     assert k2.num_engines == 2
-    assert all(i["applied_engine_kwargs"] == {"max_num_batched_tokens": 1536} for i in k2.engine_infos)
+    assert all(i["applied_engine_kwargs"] == {"max_num_batched_tokens": 1536, "distributed_executor_backend": "mp"}
+               for i in k2.engine_infos)
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:   # vLLM's mp executor bound each worker to a core of its own
+        cores = sorted(os.sched_getaffinity(0))
+        assert sorted(i["engine_index"] for i in k2.engine_infos) == [0, 1]
+        assert all(i["thread_affinity"] == [cores[-1 - i["engine_index"] % len(cores)]] for i in k2.engine_infos), \
+            [(i["engine_index"], i["thread_affinity"]) for i in k2.engine_infos]
     before = k2.per_engine_counters()
     outs, m = _run(k2)
     after = k2.per_engine_counters()

@@ -540,12 +540,12 @@ def test_explore_budget_reaches_the_engine_core_through_the_engine_environment()
     from skyrl_mtp.rollout.engine import engine_environment
 
     cfg = load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto", "trainer.mtp.explore_budget=0.005"])
-    env = engine_environment(engine_config(cfg, "/tmp/model"), 0, 2)
+    env = engine_environment(engine_config(cfg, "/tmp/model"))
     assert explore_budget_from_env(env) == 0.005          # what the scheduler builds its policy with
     default = engine_environment(engine_config(load_config(["recipe=tiny_dapo", "trainer.mtp.num_speculative_tokens=auto"]),
-                                               "/tmp/model"), 0, 2)
+                                               "/tmp/model"))
     assert explore_budget_from_env(default) == 0.02 == SpeculationPolicy.explore_budget
-    fixed = engine_environment(engine_config(load_config(["recipe=tiny_dapo"]), "/tmp/model"), 0, 2)
+    fixed = engine_environment(engine_config(load_config(["recipe=tiny_dapo"]), "/tmp/model"))
     assert EXPLORE_BUDGET_ENV not in fixed                 # a fixed k has no policy to give it to
     assert explore_budget_from_env({}) == SpeculationPolicy.explore_budget
     for bad in ("0.7", "-0.1", "lots", "nan"):
@@ -970,3 +970,105 @@ def test_settled_across_refuses_a_bucket_where_the_answer_changes_inside_it():
     answers = {best_k(alphas, cost, b, 3, 0)[0] for b in range(32, 64)}
     assert len(answers) > 1, answers
     assert not any(settled_across(alphas, cost, 32, 63, 3, k) for k in range(4))
+
+
+# ---- settling after an exploration ---------------------------------------------------------------
+
+def test_the_settling_steps_are_the_plain_steps_after_the_one_that_verifies_the_last_drafts():
+    pol = SpeculationPolicy(k_max=2)
+
+    def track(seq):
+        out = []
+        for k, explored in seq:
+            pol._track_settling(k, explored)
+            out.append(pol.settling)
+        return out
+
+    assert track([(0, False)] * 3) == [-1, -1, -1]              # nothing drafted yet: nothing to settle from
+    # a probe (explored, k = 2 twice), the verify step back, three settling steps, then plain steps again
+    assert track([(2, True), (2, True)] + [(0, False)] * 6) == [-1, -1, -1, 0, 1, 2, -1, -1]
+    # a calibration cycle's queued k = 0 steps count along but stay the fit's timings (not settling)
+    assert track([(1, True), (0, True), (0, True), (0, False), (0, False)]) == [-1, -1, -1, 1, 2]
+    # the model's own move back to k = 0 after drafting settles as well
+    assert track([(1, False), (0, False), (0, False)]) == [-1, -1, 0]
+    with pytest.raises(ValueError, match="settle_steps=-1"):
+        SpeculationPolicy(k_max=2, settle_steps=-1)
+
+
+def _timed_every_k(pol: SpeculationPolicy, batch: int, seconds) -> None:
+    for _ in range(4):
+        for k in range(pol.k_max + 1):
+            pol.cost.observe(batch * (1 + k), batch, k, seconds(k))
+
+
+def test_observe_settle_averages_the_excess_over_k0_per_position_and_clips_stalls():
+    pol = SpeculationPolicy(k_max=2)
+    _timed_every_k(pol, 8, lambda k: 0.005 + 0.004 * (k > 0) + 0.001 * k)
+    assert pol.settle_seconds == 0.0
+    pol.observe_settle(0, 8, 8, 0.0072)
+    assert pol.settle_excess[0] == pytest.approx(0.0022, abs=1e-5) and pol.settle_seconds == pytest.approx(0.0022, abs=1e-5)
+    pol.observe_settle(0, 8, 8, 0.0062)                     # a decayed mean of the two
+    assert 0.0012 < pol.settle_excess[0] < 0.0017
+    pol.observe_settle(2, 8, 8, 0.004)                      # faster than k = 0's fit: no credit
+    assert pol.settle_excess[2] < 0 and pol.settle_seconds == pytest.approx(pol.settle_excess[0])
+    pol.observe_settle(1, 8, 8, 1.0)                        # a stall counts as 1.5x the prediction
+    assert pol.settle_excess[1] == pytest.approx(0.5 * 0.005, rel=0.01)
+    with pytest.raises(ValueError, match="settle position 3"):
+        pol.observe_settle(3, 8, 8, 0.005)
+    assert pol.stats()["settle_seconds"] == pol.settle_seconds
+
+
+def test_an_exploration_from_k0_is_charged_its_settling():
+    pol = SpeculationPolicy(k_max=2)
+    _timed_every_k(pol, 8, lambda k: 0.005 + 0.004 * (k > 0) + 0.001 * k)
+    pol.acceptance.observe([2] * 8, [0] * 8)
+    regret = 2 * regret_seconds(pol.acceptance.rates(), pol.cost, 8, 1, 0)
+    pol._spent = (regret + 0.001) / pol.explore_budget                 # the budget covers the steps' regret
+    assert pol._two_steps_affordable(1, 0, 8)
+    for position in range(3):
+        pol.observe_settle(position, 8, 8, 0.0055)                     # +0.5 ms each: 1.5 ms an exploration
+    assert pol.settle_seconds == pytest.approx(0.0015, rel=0.01)
+    assert not pol._two_steps_affordable(1, 0, 8)                       # not with what the settling adds
+    pol._spent = (regret + 0.0015 + 0.0001) / pol.explore_budget
+    assert pol._two_steps_affordable(1, 0, 8)
+    assert pol._two_steps_affordable(0, 1, 8) == (2 * regret_seconds(pol.acceptance.rates(), pol.cost, 8, 0, 1)
+                                                  <= pol.explore_budget * pol._spent)   # from k > 0: no settling
+
+
+def _engine_that_settles(pol: SpeculationPolicy, rng: random.Random, batch: int, steps: int, seconds,
+                         penalty: float) -> int:
+    """The stand-in engine of `_engine`, whose 2nd-4th plain steps after a step that drafted take `penalty`
+    longer, timed as the scheduler times them (settling steps to observe_settle). Returns the steps the
+    policy explored."""
+    prev, back = -1, 99
+    for _ in range(steps):
+        k = pol.choose(batch)
+        settle = pol.settling
+        if k:
+            pol.acceptance.observe([k] * batch, _accepted(rng, [0.2, 0.1], k, batch))
+        back = 0 if k else back + 1
+        t = seconds(k) * math.exp(rng.gauss(0.0, 0.03)) + (penalty if 2 <= back <= 4 else 0.0)
+        if pol.timing_valid and settle >= 0:
+            pol.observe_settle(settle, batch, batch, t)
+        elif pol.timing_valid and k == prev:
+            pol.cost.observe(batch * (1 + k), batch, k, t)
+        prev = k
+    return pol.explored_steps
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_settling_slows_the_explorations_where_they_cost_more_than_their_steps(seed):
+    def seconds(k):
+        return 0.005 + 0.004 * (k > 0) + 0.001 * k
+
+    def run(penalty):
+        pol = SpeculationPolicy(k_max=2, probe_every=16, probe_every_max=16)
+        explored = _engine_that_settles(pol, random.Random(seed), 8, 3000, seconds, penalty)
+        return pol, explored
+
+    quiet, explored_quiet = run(0.0)
+    slow, explored_slow = run(0.002)
+    assert slow.settle_seconds == pytest.approx(0.006, rel=0.1)         # 3 steps x 2 ms, measured
+    assert quiet.settle_seconds < 0.0015
+    assert explored_slow < 0.8 * explored_quiet, (explored_slow, explored_quiet)
+    assert slow.histogram[0] > 0.9 * sum(slow.histogram)                  # k = 0 stays the choice

@@ -62,17 +62,13 @@ def test_mtp_requested_on_checkpoint_without_mtp_layers(tmp_path):
         check_checkpoint(EngineConfig(model_path=str(tmp_path / "missing")))
 
 
-def test_engine_environment_sets_sampling_fix_and_spreads_engines(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    assert engine_environment(EngineConfig(model_path="/x", cpu_sampling_fix=False), 0, 2) == {
+def test_engine_environment_sets_sampling_fix_and_replay_memo():
+    assert engine_environment(EngineConfig(model_path="/x", cpu_sampling_fix=False)) == {
         "SKYRL_MTP_CPU_SAMPLING_FIX": "0", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1"}
-    assert engine_environment(EngineConfig(model_path="/x", draft_invariant_sampling=False), 0, 2) == {
+    assert engine_environment(EngineConfig(model_path="/x", draft_invariant_sampling=False)) == {
         "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "0"}
-    env = engine_environment(EngineConfig(model_path="/x", num_engines=3), 2, 2)
-    assert env == {"SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": "0"}
     # an engine that drafts asks the vLLM plugin for the memo of replay boundaries (kv_replay_cache)
-    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2), 0, 2) == {
+    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2)) == {
         "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1", "SKYRL_MTP_KV_REPLAY_CACHE": "1"}
 
 
@@ -119,7 +115,36 @@ def test_cpu_engine_runs_a_single_worker_in_process(monkeypatch):
     assert "distributed_executor_backend" not in cpu_engine_defaults(EngineConfig(model_path="/x",
                                                                                   tensor_parallel_size=2))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    assert engine_process_environment(one) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    assert engine_process_environment({"distributed_executor_backend": "mp"}) == {}
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    # a "uni" engine binds nothing (vLLM reads the binding only where its mp executor starts workers)
+    assert engine_process_environment(one, on_cpu=True, engine_index=1, cpus=[0, 1]) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine_process_environment({"distributed_executor_backend": "mp"}, on_cpu=False, cpus=[0, 1]) == {}
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")   # the user's setting wins
-    assert engine_process_environment(one) == {}
+    assert engine_process_environment(one, on_cpu=True) == {}
+
+
+def test_mp_cpu_engines_bind_each_worker_to_a_core_of_its_own(monkeypatch):
+    from skyrl_mtp.rollout.engine import engine_process_environment, unread_thread_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+
+    def bind(kwargs, index, cpus):
+        return engine_process_environment(kwargs, on_cpu=True, engine_index=index, cpus=cpus)["VLLM_CPU_OMP_THREADS_BIND"]
+
+    mp = {"distributed_executor_backend": "mp"}
+    # from the last allowed core down (a cpuset need not start at 0), wrapping when engines outnumber cores
+    assert [bind(mp, i, [9, 4, 5, 6]) for i in range(5)] == ["9", "6", "5", "4", "9"]
+    # one core per worker, ranks separated by "|" as vLLM parses it
+    two = {**mp, "tensor_parallel_size": 2}
+    assert [bind(two, i, range(8)) for i in range(3)] == ["7|6", "5|4", "3|2"]
+    assert bind({**two, "pipeline_parallel_size": 2}, 1, range(8)) == "3|2|1|0"
+    # the user's binding is theirs; warned about only where vLLM would not read it
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_process_environment(mp, on_cpu=True, cpus=[0, 1])
+    assert unread_thread_binding(mp, on_cpu=True) is None
+    assert unread_thread_binding({"distributed_executor_backend": "uni"}, on_cpu=False) is None
+    warning = unread_thread_binding({"distributed_executor_backend": "uni"}, on_cpu=True)
+    assert "VLLM_CPU_OMP_THREADS_BIND='0-1' is ignored" in warning and "distributed_executor_backend=mp" in warning
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert unread_thread_binding({"distributed_executor_backend": "uni"}, on_cpu=True) is None
