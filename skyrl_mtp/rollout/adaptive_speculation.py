@@ -867,7 +867,7 @@ class SpeculationPolicy:
     def settle_seconds(self) -> float:
         """What the plain steps after an exploration that returns to k = 0 take beyond k = 0's fitted time,
         summed over the positions timed so far (what is known; each at least 0)."""
-        return sum(max(e, 0.0) for e, w in zip(self.settle_excess, self.settle_weight) if w > 0.0)
+        return sum(max(e, 0.0) for e in self.settle_excess)   # a position not timed yet holds 0
 
     def observe_settle(self, position: int, num_tokens: int, batch: int, seconds: float) -> None:
         """A steady step at k = 0, `position` steps into the settling after an exploration (`settling` when

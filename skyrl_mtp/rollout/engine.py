@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from skyrl_mtp.rollout import kv_replay_cache
@@ -117,7 +117,7 @@ def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
 
 
 def engine_process_environment(kwargs: dict[str, Any], *, on_cpu: bool, engine_index: int = 0,
-                               cpus: Sequence[int] = ()) -> dict[str, str]:
+                               cpus: Iterable[int] = ()) -> dict[str, str]:
     """What the engine's own process needs for the executor its kwargs name (see cpu_engine_defaults); a
     value the user set in the environment wins.
 
@@ -130,8 +130,8 @@ def engine_process_environment(kwargs: dict[str, Any], *, on_cpu: bool, engine_i
     uni = kwargs.get("distributed_executor_backend") == "uni"
     if uni and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if on_cpu and not uni and cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        ordered = sorted(cpus)
+    ordered = sorted(cpus)
+    if on_cpu and not uni and ordered and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         workers = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
         first = engine_index * workers
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(ordered[-1 - (first + r) % len(ordered)])
@@ -167,7 +167,7 @@ class InferenceEngine:
 
         on_cpu = not torch.cuda.is_available()
         os.environ.update(engine_process_environment(kwargs, on_cpu=on_cpu, engine_index=engine_index,
-                                                     cpus=sorted(os.sched_getaffinity(0))))
+                                                     cpus=os.sched_getaffinity(0)))
         if (warning := unread_thread_binding(kwargs, on_cpu=on_cpu)) is not None:
             logger.warning("engine %d: %s", engine_index, warning)
 
