@@ -5,6 +5,13 @@ scheduler class (for auto k that adds the speculation policy's choice and step t
 time, and writes its running sums to `$SKYRL_BENCH_SCHED_OUT.<pid>` (JSON) at every prefix-cache reset,
 which the benchmark's driver asks for after each rollout. Only plain decode steps count: no prompt
 tokens, no drafts verified, none proposed (k = 0), and at least `$SKYRL_BENCH_SCHED_MIN_BATCH` sequences.
+
+Each also times whole steps, from one `schedule()` to the next, in the engine core's thread (which runs
+the model too: the CPU worker runs in the EngineCore process, and the benchmark gives torch one thread, as
+a one-CPU Ray actor does), per kind: those plain decode steps (`step_s`), and prompt steps (`prompt_s`:
+new requests scheduled, no drafts either way, with `prompt_tokens` their scheduled tokens). A step that
+drafts or verifies, or the last one before a prefix-cache reset (it would carry the reset), counts in
+neither.
 """
 
 from __future__ import annotations
@@ -37,26 +44,45 @@ class _Timer:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._bench = {"steps": 0, "vllm_s": 0.0, "total_s": 0.0, "rounds": 0}
+        self._bench = {"steps": 0, "vllm_s": 0.0, "total_s": 0.0, "rounds": 0, "step_s": 0.0,
+                       "prompt_steps": 0, "prompt_s": 0.0, "prompt_tokens": 0}
         self._bench_min_batch = int(os.environ.get("SKYRL_BENCH_SCHED_MIN_BATCH", "1"))
+        self._bench_open: dict[str, Any] | None = None   # the step in flight, counted once the next one starts
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         c0 = time.thread_time()
+        self._bench_close(c0)
         out = super().schedule(*args, **kwargs)   # type: ignore[misc]
         total_s = time.thread_time() - c0
         batch = len(out.num_scheduled_tokens)
-        if batch >= self._bench_min_batch and not out.scheduled_new_reqs and not self._drafted(out) \
-                and not out.scheduled_spec_decode_tokens and out.total_num_scheduled_tokens == batch:
-            b = self._bench
-            b["steps"] += 1
-            b["vllm_s"] += self._bench_vllm_s
-            b["total_s"] += total_s
+        if self._drafted(out) or out.scheduled_spec_decode_tokens:
+            return out
+        if batch >= self._bench_min_batch and not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch:
+            self._bench_open = {"kind": "step", "start": c0, "vllm_s": self._bench_vllm_s, "total_s": total_s}
+        elif out.scheduled_new_reqs:
+            self._bench_open = {"kind": "prompt", "start": c0, "tokens": int(out.total_num_scheduled_tokens)}
         return out
+
+    def _bench_close(self, now: float) -> None:
+        step, self._bench_open = self._bench_open, None
+        if step is None:
+            return
+        b = self._bench
+        if step["kind"] == "step":
+            b["steps"] += 1
+            b["vllm_s"] += step["vllm_s"]
+            b["total_s"] += step["total_s"]
+            b["step_s"] += now - step["start"]
+        else:
+            b["prompt_steps"] += 1
+            b["prompt_tokens"] += step["tokens"]
+            b["prompt_s"] += now - step["start"]
 
     def _drafted(self, out: Any) -> bool:
         return False
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self._bench_open = None   # the rollout's last step: its time would include this reset
         self._bench["rounds"] += 1
         memo = getattr(kcc.replay_boundaries, "cache_info", None)
         info = memo() if memo else None

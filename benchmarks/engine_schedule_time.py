@@ -1,4 +1,4 @@
-"""What the engine core's scheduling costs per plain decode step: no spec, auto k, and auto k without the memo.
+"""What the engine core costs per plain decode step and per prompt step: no spec, auto k, and auto k without the memo.
 
 An auto-k engine that has stopped drafting should cost what a no-spec engine costs. Its steps then run
 the same model work (rollout/adaptive_speculation.py runs them as vLLM's no-spec steps), but the engine
@@ -7,18 +7,26 @@ part on the tiny default's engine, per engine step, as thread CPU time in the en
 
 - `vllm_us`: vLLM's own `Scheduler.schedule`;
 - `total_us`: the engine's whole `schedule()` (for auto k: vLLM's, plus the policy's choice and the step's
-  timing for its cost model).
+  timing for its cost model);
+- `step_us`: the whole step, from its `schedule()` to the next one's: scheduling, the model's forward and
+  sampling (the CPU worker runs in the engine core's thread, with one torch thread here, as in a one-CPU
+  Ray actor), and the scheduler's update from the output;
+- `prompt_token_us`: the same for prompt steps (new requests scheduled, nothing drafted or verified), per
+  token they schedule. A rollout's requests arrive over a few such steps, and how many come in each
+  depends on how long the steps before took, so the steps are compared per token
+  (`prompt_tokens_per_step` says how large they were).
 
 Set-ups: `no_spec` (trainer.mtp.enabled=false), `auto` (trainer.mtp.num_speculative_tokens=auto, as
 shipped), `auto_unmemoized` (the same, with vLLM's replay boundaries computed per request and step, as
 vLLM 0.32 does once a drafter is configured; rollout/kv_replay_cache.py memoizes them). Each repeat runs
 each set-up's engine in its own process, one after another in rotated order, for `--rounds` rollouts of
-`--batch` random prompts (the first rollout is a warm-up and not counted). Only plain decode steps with at
-least half the batch running count: no prompt tokens, no drafts verified or proposed.
+`--batch` random prompts (the first rollout is a warm-up and not counted). Plain decode steps count with
+at least half the batch running: no prompt tokens, no drafts verified or proposed. Thread CPU time leaves
+out what other processes take from the engine (the run-to-run noise of wall time on a shared machine).
 
-Prints a table and writes JSON: per set-up `vllm_us` and `total_us` (mean over repeats), their per-repeat
-values, and `vllm_ratio_over_no_spec` / `total_ratio_over_no_spec` (per repeat, the set-up's mean over the
-no-spec engine's of the same repeat; their mean and range).
+Prints a table and writes JSON: per set-up `vllm_us`, `total_us`, `step_us` and `prompt_token_us` (mean over
+repeats), their per-repeat values, and `*_ratio_over_no_spec` / `*_ratio_range` for each (per repeat, the
+set-up's mean over the no-spec engine's of the same repeat; their mean and range).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ SETUPS = {
     "auto_unmemoized": (["trainer.mtp.num_speculative_tokens=auto"], "_schedule_timers.TimedAdaptiveUnmemoized"),
 }
 QUICK = dict(rounds=2, batch=8, max_tokens=24, repeats=1)
+PARTS = ("vllm", "total", "step", "prompt_token")
+LABELS = {"vllm": "vLLM schedule", "total": "schedule()", "step": "plain step", "prompt_token": "prompt token"}
 
 
 def child(setup: str, rounds: int, batch: int, max_tokens: int, out_prefix: str) -> None:
@@ -104,7 +114,10 @@ def run_setup(setup: str, a: argparse.Namespace, tmp: str, tag: str) -> dict:
     prefix = os.path.join(tmp, f"{setup}-{tag}")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", setup, "--rounds", str(a.rounds),
            "--batch", str(a.batch), "--max-tokens", str(a.max_tokens), "--out-prefix", prefix]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # one torch thread, as in the one-CPU Ray actor that hosts each engine of a run: the engine core's thread
+    # then does all of a step's work, which its thread CPU time measures
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{setup} engine failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -112,8 +125,15 @@ def run_setup(setup: str, a: argparse.Namespace, tmp: str, tag: str) -> dict:
     steps = end["steps"] - start["steps"]
     if steps <= 0:
         raise RuntimeError(f"{setup}: no plain decode steps were timed after the warm-up rollout")
+    prompt_steps = end["prompt_steps"] - start["prompt_steps"]
+    if prompt_steps <= 0:
+        raise RuntimeError(f"{setup}: no prompt steps were timed after the warm-up rollout")
     return {"steps": steps, "vllm_us": (end["vllm_s"] - start["vllm_s"]) / steps * 1e6,
-            "total_us": (end["total_s"] - start["total_s"]) / steps * 1e6, "memo_hits": end["memo_hits"]}
+            "total_us": (end["total_s"] - start["total_s"]) / steps * 1e6,
+            "step_us": (end["step_s"] - start["step_s"]) / steps * 1e6, "prompt_steps": prompt_steps,
+            "prompt_token_us": (end["prompt_s"] - start["prompt_s"]) / (end["prompt_tokens"] - start["prompt_tokens"]) * 1e6,
+            "prompt_tokens_per_step": (end["prompt_tokens"] - start["prompt_tokens"]) / prompt_steps,
+            "memo_hits": end["memo_hits"]}
 
 
 def main() -> None:
@@ -148,14 +168,17 @@ def main() -> None:
                 per_repeat[s].append(run_setup(s, a, tmp, str(rep)))
                 r = per_repeat[s][-1]
                 print(f"repeat {rep} {s:16s} steps {r['steps']:5d}  vllm {r['vllm_us']:7.1f} us  total "
-                      f"{r['total_us']:7.1f} us", flush=True)
+                      f"{r['total_us']:7.1f} us  step {r['step_us']:8.1f} us  prompt steps {r['prompt_steps']:4d} "
+                      f"of {r['prompt_tokens_per_step']:.0f} tokens, {r['prompt_token_us']:6.2f} us a token", flush=True)
 
     rows = []
     ref = per_repeat["no_spec"]
     for s in a.setups:
         reps = per_repeat[s]
-        row = {"setup": s, "steps": sum(r["steps"] for r in reps), "memo_hits": reps[-1]["memo_hits"]}
-        for part in ("vllm", "total"):
+        row = {"setup": s, "steps": sum(r["steps"] for r in reps), "memo_hits": reps[-1]["memo_hits"],
+               "prompt_steps": sum(r["prompt_steps"] for r in reps),
+               "prompt_tokens_per_step": statistics.fmean(r["prompt_tokens_per_step"] for r in reps)}
+        for part in PARTS:
             vals = [r[f"{part}_us"] for r in reps]
             ratios = [r[f"{part}_us"] / n[f"{part}_us"] for r, n in zip(reps, ref)]
             row[f"{part}_us"] = statistics.fmean(vals)
@@ -166,11 +189,11 @@ def main() -> None:
 
     print(f"\nplain decode steps with >= {max(a.batch // 2, 1)} of {a.batch} sequences, {a.repeats} repeats, "
           f"{a.rounds - 1} measured rollouts each (thread CPU time in the engine core)")
-    print(f"{'setup':16s} {'vLLM us':>8s} {'ratio':>6s} {'range':>13s} {'total us':>9s} {'ratio':>6s} {'range':>13s}")
+    print(f"{'setup':16s}" + "".join(f" {LABELS[p] + ' us':>15s} {'ratio':>6s} {'range':>13s}" for p in PARTS))
     for r in rows:
-        print(f"{r['setup']:16s} {r['vllm_us']:8.1f} {r['vllm_ratio_over_no_spec']:6.3f} "
-              f"{r['vllm_ratio_range'][0]:6.3f}-{r['vllm_ratio_range'][1]:.3f} {r['total_us']:9.1f} "
-              f"{r['total_ratio_over_no_spec']:6.3f} {r['total_ratio_range'][0]:6.3f}-{r['total_ratio_range'][1]:.3f}")
+        print(f"{r['setup']:16s}" + "".join(
+            f" {r[p + '_us']:15.1f} {r[p + '_ratio_over_no_spec']:6.3f} "
+            f"{r[p + '_ratio_range'][0]:6.3f}-{r[p + '_ratio_range'][1]:.3f}" for p in PARTS))
     if a.json:
         Path(a.json).write_text(json.dumps({"batch": a.batch, "rounds": a.rounds, "max_tokens": a.max_tokens,
                                             "repeats": a.repeats, "rows": rows}, indent=2))
