@@ -128,11 +128,12 @@ def run_setup(setup: str, a: argparse.Namespace, tmp: str, tag: str) -> dict:
     prompt_steps = end["prompt_steps"] - start["prompt_steps"]
     if prompt_steps <= 0:
         raise RuntimeError(f"{setup}: no prompt steps were timed after the warm-up rollout")
+    prompt_tokens = end["prompt_tokens"] - start["prompt_tokens"]
     return {"steps": steps, "vllm_us": (end["vllm_s"] - start["vllm_s"]) / steps * 1e6,
             "total_us": (end["total_s"] - start["total_s"]) / steps * 1e6,
             "step_us": (end["step_s"] - start["step_s"]) / steps * 1e6, "prompt_steps": prompt_steps,
-            "prompt_token_us": (end["prompt_s"] - start["prompt_s"]) / (end["prompt_tokens"] - start["prompt_tokens"]) * 1e6,
-            "prompt_tokens_per_step": (end["prompt_tokens"] - start["prompt_tokens"]) / prompt_steps,
+            "prompt_token_us": (end["prompt_s"] - start["prompt_s"]) / prompt_tokens * 1e6,
+            "prompt_tokens_per_step": prompt_tokens / prompt_steps,
             "memo_hits": end["memo_hits"]}
 
 
