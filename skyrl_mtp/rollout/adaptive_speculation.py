@@ -132,12 +132,15 @@ class AcceptanceEstimate:
         """New weights: keep each position's rate but let it weigh at most `max_attempts` attempts, so the
         new head's own drafts outweigh the old head's within a few steps (decay alone takes ~1 / (1 - decay)
         steps, a whole rollout at a small batch, to forget a head that stopped being accepted)."""
+        changed = False
         for i in range(self.k_max):
             if self.attempts[i] > max_attempts:
                 scale = max_attempts / self.attempts[i]
                 self.attempts[i] *= scale
                 self.accepts[i] *= scale
-        self.version += 1
+                changed = True
+        if changed:   # a head that drafted little since the last sync keeps its estimate, and so its version
+            self.version += 1
 
     def rates(self) -> list[float]:
         return [(self.accepts[i] + self.prior_rate * self.prior_weight) / (self.attempts[i] + self.prior_weight)
@@ -280,6 +283,18 @@ class LineRows:
         dp, dq = self.dp.tolist(), self.dq.tolist()
         self.pair_diffs = [[(dp[i][j], dq[i][j]) for j in range(self.n)] for i in range(self.n)]
         self._explored: dict[tuple[bool, ...], tuple] = {}
+        self._sparse: dict[tuple[int, ...], list] = {}
+
+    def sparse_pairs(self, position: list[int]) -> list[tuple[int, int, list, list]]:
+        """(i, j, dp, dq) for each pair i < j, its differences in _nonzeros' form for a solve whose features sit
+        at `position` in its inverse: the same for every solve that has seen the same features."""
+        key = tuple(position)
+        got = self._sparse.get(key)
+        if got is None:
+            got = self._sparse[key] = [(i, j, _nonzeros(self.pair_diffs[i][j][0], position),
+                                        _nonzeros(self.pair_diffs[i][j][1], position))
+                                       for i in range(self.n) for j in range(i + 1, self.n)]
+        return got
 
     def explored(self, seen: tuple[bool, ...]) -> tuple:
         """_zero_sets over the features a fit has not seen: where a difference leaves them all at zero."""
@@ -310,12 +325,9 @@ class LineTable:
         # Python over the differences' nonzero seen features, for the reason OnlineLinearFit gives
         pp, pq, qq = ([[0.0] * n for _ in range(n)] for _ in range(3))
         if any(sol.seen) and not math.isinf(sol.variance):
-            inv, pos = sol.inverse, sol.position
-            for i in range(n):
-                for j in range(i + 1, n):
-                    dp, dq = rows.pair_diffs[i][j]
-                    u, v = _nonzeros(dp, pos), _nonzeros(dq, pos)
-                    pp[i][j], pq[i][j], qq[i][j] = _quadratic(inv, u, u), _quadratic(inv, u, v), _quadratic(inv, v, v)
+            inv = sol.inverse
+            for i, j, u, v in rows.sparse_pairs(sol.position):
+                pp[i][j], pq[i][j], qq[i][j] = _quadratic(inv, u, u), _quadratic(inv, u, v), _quadratic(inv, v, v)
         self._pairs = [list(zip(*cols)) for cols in zip(pp, pq, qq, *rows.same, *rows.explored(tuple(sol.seen)))]
 
     def prediction(self, i: int, b: float) -> float:
@@ -347,27 +359,37 @@ def _nonzeros(d: list[float], position: list[int]) -> list[tuple[int, float]]:
 
 
 def _quadratic(inverse: list[list[float]], u: list[tuple[int, float]], v: list[tuple[int, float]]) -> float:
-    """u' A^-1 v for sparse u, v (_nonzeros)."""
-    return sum(a_v * sum(inverse[a][b] * b_v for b, b_v in v) for a, a_v in u)
+    """u' A^-1 v for sparse u, v (_nonzeros). (Loops, not nested sum()s over generators: a solve computes 30 of
+    these, and the generators' overhead was most of their cost.)"""
+    total = 0.0
+    for a, a_v in u:
+        row, inner = inverse[a], 0.0
+        for b, b_v in v:
+            inner += row[b] * b_v
+        total += a_v * inner
+    return total
 
 
 def _spd_inverse(a: list[list[float]]) -> list[list[float]]:
-    """The inverse of a small symmetric positive definite matrix (Gauss-Jordan; no pivoting is needed)."""
+    """The inverse of a small symmetric positive definite matrix (Gauss-Jordan in place: each pivot's column
+    is replaced by the inverse's, so no identity block is carried along; no pivoting is needed)."""
     n = len(a)
-    m = [row[:] + [1.0 if i == j else 0.0 for j in range(n)] for i, row in enumerate(a)]
+    m = [row[:] for row in a]
     for c in range(n):
         pivot = m[c]
         inv_p = 1.0 / pivot[c]
-        for j in range(2 * n):
+        pivot[c] = 1.0
+        for j in range(n):
             pivot[j] *= inv_p
         for r in range(n):
             if r != c:
                 row = m[r]
                 f = row[c]
                 if f:
-                    for j in range(2 * n):
+                    row[c] = 0.0
+                    for j in range(n):
                         row[j] -= f * pivot[j]
-    return [row[n:] for row in m]
+    return m
 
 
 def _zero_sets(dp: Any, dq: Any) -> tuple[list[list[bool]], list[list[float]]]:
@@ -762,6 +784,8 @@ class SpeculationPolicy:
     settle_excess: list[float] = field(default_factory=list)   # per position: decayed mean of time beyond k = 0's fit
     settle_weight: list[float] = field(default_factory=list)   # per position: decayed count of those timings
     _back: int = -1                # steps at k = 0 since the last step that drafted (capped at settle_steps + 2)
+    _settle_version: int = 0       # counts observe_settle's updates (settle_seconds changed)
+    _regret_memo: tuple[tuple, float] | None = None   # _two_steps_affordable's inputs -> the excursion's regret
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -878,6 +902,7 @@ class SpeculationPolicy:
         excess = min(seconds, self.cost.stall_ratio * predicted) - predicted
         w = self.settle_weight[position] = self.settle_decay * self.settle_weight[position] + 1.0
         self.settle_excess[position] += (excess - self.settle_excess[position]) / w
+        self._settle_version += 1
 
     def _model_choice(self, batch: int) -> int:
         """best_k, computed again only when its inputs changed (the engine asks every step; between timed
@@ -987,10 +1012,14 @@ class SpeculationPolicy:
         drafts at k and verifies best's drafts, the second is a steady step at k, and the step back drafts at
         best and verifies k's drafts. The first and the last together do about the work of one steady step at
         each k, so the excursion costs two steady steps at k in place of two at best."""
-        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
-        if best == 0:
-            extra += self.settle_seconds
-        return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
+        # a probe waiting for its budget asks every step; its regret changes only with _model_choice's inputs
+        key = (batch, k, best, self.acceptance, self.acceptance.version, self.cost.state(batch), self._settle_version)
+        if self._regret_memo is None or self._regret_memo[0] != key:
+            extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
+            if best == 0:
+                extra += self.settle_seconds
+            self._regret_memo = (key, extra)
+        return self._regret_memo[1] <= self.explore_budget * (self._spent - self._spent_at_probe)
 
     def _next_probe(self, best: int, probe: int) -> int:
         """In turn: a neighbour of the best k, shallower then deeper, then k = 0 (the ones that exist and

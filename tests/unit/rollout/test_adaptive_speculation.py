@@ -89,6 +89,9 @@ def test_new_weights_keep_the_rates_but_let_the_new_heads_drafts_outweigh_the_ol
     assert pol.acceptance.rates() == pytest.approx(before, abs=0.03)   # the prior pulls a little harder
     assert max(pol.acceptance.attempts) == pytest.approx(pol.refresh_attempts)
     assert pol.acceptance.version > version               # the memoised choice is computed again
+    version = pol.acceptance.version
+    pol.on_new_weights()                                  # no drafts since: nothing to cut, the same estimate
+    assert pol.acceptance.version == version
     kept = pol.acceptance.rates()[1]
     for _ in range(4):
         pol.acceptance.observe([2] * 8, [0] * 8)          # the new head's drafts: never accepted
@@ -517,6 +520,28 @@ def test_probes_wait_for_their_exploration_budget():
     # a probe (k = 1, two steps of 0.100 s) emits 1.99 tokens per step, which k = 0 gives in 0.0199 s:
     # 2 x 0.0801 s of regret, so 2% of the time allows one per 801 steps
     assert probed == [6 + 801, 6 + 802], probed      # from the 801st step chosen by the model
+
+
+def test_a_probe_waiting_for_its_budget_computes_its_regret_again_only_when_its_inputs_change(monkeypatch):
+    """The due probe is asked about at every step until its budget accrues: its regret is computed once per
+    change of what it depends on (the acceptance, the fit's solve, the settling), not per step."""
+    from skyrl_mtp.rollout import adaptive_speculation
+
+    calls = []
+    regret = adaptive_speculation.regret_seconds
+    monkeypatch.setattr(adaptive_speculation, "regret_seconds", lambda *a: calls.append(a[2:]) or regret(*a))
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=0.02)
+    [pol.choose(4) for _ in range(6)]
+    pol.cost = _costly_drafts()
+    pol.acceptance.observe([2] * 50, [1] * 50)
+    assert not any(pol.choose(4) for _ in range(500))   # due from the 10th step, affordable from the 801st
+    assert calls == [(4, 1, 0)], calls
+    pol.acceptance.observe([2] * 4, [0] * 4)            # new evidence: computed again, once
+    assert not any(pol.choose(4) for _ in range(100))
+    assert calls == [(4, 1, 0)] * 2, calls
+    pol.observe_settle(0, 4, 4, 0.02)                    # the settling it is charged changed: again
+    pol.choose(4)
+    assert len(calls) == 3
 
 
 def test_a_probe_waits_as_long_as_the_exploration_budget_is_small_and_never_runs_at_zero():
