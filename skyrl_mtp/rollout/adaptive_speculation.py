@@ -156,7 +156,7 @@ class OnlineLinearFit:
     uncertainty of its predictions: the residual variance (weighted residual sum of squares over the
     weight beyond the `dim` fitted parameters) times d' A^-1 d, A the weighted Gram matrix."""
 
-    def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4, resolve_share: float = 0.05):
+    def __init__(self, dim: int, decay: float = 0.995, ridge: float = 1e-4, resolve_share: float = 0.1):
         self.dim, self.decay, self.ridge, self.resolve_share = dim, decay, ridge, resolve_share
         # plain Python lists: the engine core folds and solves this between model steps, where each numpy
         # call on these few numbers cost 10-20x what it costs in a quiet process (its code is cold there),
@@ -180,7 +180,9 @@ class OnlineLinearFit:
         self.fresh = self.fresh * self.decay + 1.0
         if self.fresh > self.resolve_share * self.weight:
             # solved again once the samples added since carry `resolve_share` of the fit's weight: every
-            # sample while the fit is young, every ~10 once it is steady (the engine adds one per step)
+            # sample while the fit is young, every ~20 once it is steady (the engine adds one per step). A
+            # solve and what is read off it cost ~0.25 ms in the engine core, so every ~10 (a share of 0.05)
+            # took ~0.4% of a plain step more, and in replays (speculation_policy.py) chose no better
             self._solved = None
 
     def _fold(self) -> None:
