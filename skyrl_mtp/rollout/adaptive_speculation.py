@@ -181,8 +181,8 @@ class OnlineLinearFit:
         if self.fresh > self.resolve_share * self.weight:
             # solved again once the samples added since carry `resolve_share` of the fit's weight: every
             # sample while the fit is young, every ~20 once it is steady (the engine adds one per step). A
-            # solve and what is read off it cost ~0.25 ms in the engine core, so every ~10 (a share of 0.05)
-            # took ~0.4% of a plain step more, and in replays (speculation_policy.py) chose no better
+            # solve and the tables read off it cost ~0.2 ms in the engine core; solving every ~10 (a share
+            # of 0.05) chose no better in replays (speculation_policy.py)
             self._solved = None
 
     def _fold(self) -> None:
