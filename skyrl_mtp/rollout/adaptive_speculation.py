@@ -536,8 +536,12 @@ class CostModel:
     def line_seconds(self, batch: int, k: int) -> float:
         """The fit's prediction for k at this batch, read off its line without building the batch's table:
         step_seconds(batch, k) wherever that prediction is above step_seconds' floor (1e-6 s)."""
+        return self.lines(batch).prediction(k, float(batch))
+
+    def lines(self, batch: int) -> LineTable:
+        """The LineTable line_seconds reads for this batch (the same until the batch's fit is solved again)."""
         fit = self._fit(batch)
-        return self._lines(fit, fit.solves()).prediction(k, float(batch))
+        return self._lines(fit, fit.solves())
 
     def predict(self, num_tokens: int, batch: int, k: int) -> float:
         """The fit's time for one step of these features (the bucket's fit once it is timed at every k)."""
@@ -572,6 +576,27 @@ class CostModel:
             return [0.0] * (self.k_max + 1)
         seconds = self.table(1 << (below[-1] - 1)).seconds
         return [max(s - seconds[0], 0.0) for s in seconds]
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """A full choice of SpeculationPolicy.choose and what it rested on (SpeculationPolicy._held)."""
+
+    batch: int
+    bucket: int
+    k: int
+    rival: int
+    seconds: float          # the chosen k's predicted step time (_model_choice's)
+    cost: CostModel
+    fit: OnlineLinearFit    # the fit the choice read, and its solve at the time
+    solution: _Solution | None
+    acceptance: AcceptanceEstimate
+    acceptance_version: int
+    settle_version: int
+    gate: int               # _exploration_gate at that step
+    regret: float           # where an exploration was due: the regret that kept it waiting
+    settled_top: int        # where k = 0 is settled across the bucket (_model_choice): its largest batch, else 0
+    lines: LineTable | None   # and then the fit's lines, which give each batch size's step time
 
 
 @dataclass(frozen=True)
@@ -788,6 +813,8 @@ class SpeculationPolicy:
     _back: int = -1                # steps at k = 0 since the last step that drafted (capped at settle_steps + 2)
     _settle_version: int = 0       # counts observe_settle's updates (settle_seconds changed)
     _regret_memo: tuple[tuple, float] | None = None   # _two_steps_affordable's inputs -> the excursion's regret
+    _hold: _Hold | None = None     # what the last full choice rested on, for choose's fast path (_held)
+    held_steps: int = 0            # steps answered by that fast path
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -838,6 +865,10 @@ class SpeculationPolicy:
     def choose(self, batch: int, steady: bool = True) -> int:
         """k for an engine step of `batch` requests; `steady`: the step schedules decode tokens only (no
         prompt tokens), so it can be timed and an exploration may start or go on there."""
+        hold = self._hold
+        if hold is not None and steady and self._held(hold, batch):
+            return hold.k
+        self._hold = None
         self.steps += 1
         b = bucket(batch)
         if self.steps == 1:
@@ -866,9 +897,10 @@ class SpeculationPolicy:
                                           self.steps + self._interval)
             _, rival, seconds = self._memo[1]   # type: ignore[index]
             self._spent += seconds
-            if steady and rival >= 0 and self.challenge_every and self.steps >= self._next_challenge_at:
+            gate = self._exploration_gate(rival, self.steps) if steady else 0
+            if gate == 1:
                 k = self._challenge(k, rival, max(batch, 1))
-            elif steady and self.probe_every and self.steps >= self._next_probe_at:   # another k (never the best)
+            elif gate == 2:   # another k (never the best)
                 k = self._probe_step(k, max(batch, 1))
         self.chosen_sum += k
         self.chosen_count += 1
@@ -877,7 +909,59 @@ class SpeculationPolicy:
             self.model_histogram[chosen] += 1
         self.explored_steps += int(queued or k != chosen)
         self._track_settling(k, queued or k != chosen)
+        if not queued and k == chosen and steady and self._interval and self.cost.covers(batch):
+            self._hold = self._hold_after(batch, k)
         return k
+
+    def _exploration_gate(self, rival: int, steps: int) -> int:
+        """Which exploration choose asks about at a steady step once the model has chosen: 1 a challenge, 2 a
+        probe, 0 none is due."""
+        if rival >= 0 and self.challenge_every and steps >= self._next_challenge_at:
+            return 1
+        if self.probe_every and steps >= self._next_probe_at:
+            return 2
+        return 0
+
+    def _hold_after(self, batch: int, k: int) -> _Hold:
+        """Records a full choice that started no exploration at a steady step of a bucket timed at every k."""
+        key, (_, rival, seconds) = self._memo   # type: ignore[misc]
+        fit = self.cost._fit(batch)
+        gate = self._exploration_gate(rival, self.steps)
+        # a due exploration that did not start was refused by _two_steps_affordable, which memoized its regret
+        regret = self._regret_memo[1] if gate else 0.0   # type: ignore[index]
+        settled = k == 0 and self._settled is not None and self._settled[:2] == (key[1:], True)
+        return _Hold(batch, bucket(batch), k, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
+                     self.acceptance.version, self._settle_version, gate, regret,
+                     self._settled[2] if settled else 0, self.cost.lines(batch) if settled else None)
+
+    def _held(self, hold: _Hold, batch: int) -> bool:
+        """choose's fast path. The engine's plain steps mostly repeat the last one's batch, or stay in a bucket
+        where not drafting is settled (_model_choice), with nothing new timed into the fit's solve, no new
+        acceptance and no exploration allowed to start; the full choice (its memo keys, the exploration checks)
+        would then only say the same again. Where all of that holds, this does the step's bookkeeping exactly
+        as the full choice would and returns True; else it changes nothing and the full choice runs."""
+        same = batch == hold.batch
+        if ((not same and (batch > hold.settled_top or bucket(batch) != hold.bucket))
+                or self._queue or hold.fit._solved is not hold.solution or hold.cost is not self.cost
+                or hold.acceptance is not self.acceptance or self.acceptance.version != hold.acceptance_version
+                or self._settle_version != hold.settle_version):
+            return False
+        # another batch size of a settled bucket: k = 0, no rival, its time read off the same line (_model_choice)
+        seconds = hold.seconds if same else hold.lines.prediction(0, float(batch))   # type: ignore[union-attr]
+        steps, spent = self.steps + 1, self._spent + seconds
+        gate = self._exploration_gate(hold.rival, steps)
+        if gate and (not same or gate != hold.gate
+                     or hold.regret <= self.explore_budget * (spent - self._spent_at_probe)):
+            return False    # an exploration may start here (its regret depends on the batch): the full choice decides
+        k = hold.k
+        self.steps, self._spent = steps, spent
+        self.chosen_sum += k
+        self.chosen_count += 1
+        self.histogram[k] += 1
+        self.model_histogram[k] += 1
+        self._track_settling(k, False)
+        self.held_steps += 1
+        return True
 
     def _track_settling(self, k: int, explored: bool) -> None:
         """Which of the plain steps back at the model's k = 0 after drafting this one is (`settling`)."""
@@ -1051,7 +1135,7 @@ class SpeculationPolicy:
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.chosen_count, "k_sum": self.chosen_sum, "k_histogram": list(self.histogram),
-                "explore_budget": self.explore_budget, "max_batch": self.max_batch,
+                "explore_budget": self.explore_budget, "max_batch": self.max_batch, "held_steps": self.held_steps,
                 "model_k_histogram": list(self.model_histogram), "explored_steps": self.explored_steps,
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),

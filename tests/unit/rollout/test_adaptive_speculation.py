@@ -1097,3 +1097,84 @@ def test_settling_slows_the_explorations_where_they_cost_more_than_their_steps(s
     assert quiet.settle_seconds < 0.0015
     assert explored_slow < 0.8 * explored_quiet, (explored_slow, explored_quiet)
     assert slow.histogram[0] > 0.9 * sum(slow.histogram)                  # k = 0 stays the choice
+
+
+# ---- choose's fast path ----------------------------------------------------------------------------
+
+def _lockstep(alphas: list[float], seed: int, rollouts: int) -> tuple[SpeculationPolicy, SpeculationPolicy]:
+    """Two policies fed the same engine, step by step: RL rollouts (a weight sync each, requests arriving,
+    a long stretch at a full batch, a tail draining through every bucket), timed as the scheduler times them
+    (settling steps to observe_settle, steady steps to the cost fit, noisy with a stall now and then). The
+    second runs its full choice at every step (its fast path's record is dropped before each)."""
+    fast, full = SpeculationPolicy(k_max=3, max_batch=64), SpeculationPolicy(k_max=3, max_batch=64)
+    rngs = [random.Random(seed), random.Random(seed)]
+    shape = [(1, False), (40, False), (64, False)] + [(64, True)] * 40 + [(63, True)] * 5 + [(61, True)] * 3 + [
+        (b, True) for b in (58, 58, 50, 47, 47, 40, 36, 33, 33, 32, 29, 20, 18, 16, 12, 9, 8, 7, 6, 5, 4, 3, 2, 2, 1, 1)]
+    prev = [-1, -1]
+    for _ in range(rollouts):
+        for pol in (fast, full):
+            pol.on_new_weights()
+        for batch, steady in shape:
+            ks = []
+            for i, pol in enumerate((fast, full)):
+                if pol is full:
+                    pol._hold = None
+                rng = rngs[i]
+                k = pol.choose(batch, steady)
+                settle = pol.settling if steady else -1
+                if k:
+                    accepted = _accepted(rng, alphas, k, batch)
+                    pol.acceptance.observe([k] * batch, accepted)
+                    pol.credit_verified(batch, [k] * batch, accepted)
+                t = _tiny_default_step(batch, k) * math.exp(rng.gauss(0.0, 0.1)) * (3.0 if rng.random() < 0.02 else 1.0)
+                if pol.timing_valid and settle >= 0:
+                    pol.observe_settle(settle, batch, batch, t)
+                elif pol.timing_valid and steady and k == prev[i]:
+                    pol.cost.observe(batch * (1 + k), batch, k, t)
+                prev[i] = k
+                ks.append(k)
+            assert ks[0] == ks[1], (fast.steps, batch, ks)
+    return fast, full
+
+
+@pytest.mark.parametrize(("alphas", "held_share"), [([0.0, 0.0, 0.0], 0.3), ([0.45, 0.3, 0.2], 0.3),
+                                                    ([0.75, 0.6, 0.5], 0.3), ([0.95, 0.95, 0.95], 0.0)])
+def test_the_fast_path_chooses_and_books_every_step_as_the_full_choice_does(alphas, held_share):
+    """choose's fast path (the same batch, or a bucket where not drafting is settled, and nothing new) gives
+    the k the full choice gives at every step of RL rollouts and leaves the same state behind, bit for bit:
+    the time it books (which gates every exploration), the histograms, the probe and challenge schedules,
+    the settling. Where the engine stops drafting it answers a good share of the steps (`held_share`);
+    where it drafts, every step brings new acceptance and it never answers."""
+    fast, full = _lockstep(alphas, seed=3, rollouts=40)
+    names = ("steps", "_spent", "_spent_at_probe", "chosen_sum", "chosen_count", "histogram", "model_histogram",
+             "explored_steps", "_probe", "_interval", "_next_probe_at", "_next_challenge_at", "_challenge_gap",
+             "_incumbent", "_cycled", "settling", "_back", "seconds_saved", "settle_excess")
+    assert {n: getattr(fast, n) for n in names} == {n: getattr(full, n) for n in names}
+    assert full.held_steps == 0
+    assert fast.held_steps >= held_share * fast.steps, (fast.held_steps, fast.steps)
+    if not held_share:
+        assert fast.held_steps <= 0.02 * fast.steps
+    assert fast.stats()["held_steps"] == fast.held_steps
+
+
+def test_the_fast_path_gives_way_to_an_exploration_its_budget_allows():
+    """A probe waiting for its budget is held at the full choice's answer until the budget allows it; then
+    the full choice runs and the probe starts at the same step as without the fast path."""
+    starts = {}
+    for name in ("fast", "full"):
+        pol = SpeculationPolicy(k_max=2, probe_every=4, probe_every_max=4, explore_budget=0.01)
+        _timed_every_k(pol, 8, lambda k: 0.005 + 0.004 * (k > 0) + 0.001 * k)
+        started = []
+        for _ in range(3000):
+            if name == "full":
+                pol._hold = None
+            explored = pol.explored_steps
+            k = pol.choose(8)
+            if pol.explored_steps > explored:
+                started.append(pol.steps)
+            if k:
+                pol.acceptance.observe([k] * 8, [0] * 8)
+        starts[name] = (started, pol.held_steps)
+    assert starts["fast"][0] == starts["full"][0]
+    assert len(starts["fast"][0]) >= 5                     # probes ran, each after a wait
+    assert starts["fast"][1] >= 0.5 * 3000 and starts["full"][1] == 0
