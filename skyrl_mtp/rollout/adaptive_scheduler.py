@@ -73,8 +73,10 @@ class AdaptiveSpeculationScheduler(Scheduler):
                  "the acceptance estimate)")
         _require(isinstance(getattr(self, "max_num_running_reqs", None), int),
                  "vLLM's Scheduler has no int `max_num_running_reqs` (the engine's max_num_seqs)")
-        self.policy = SpeculationPolicy(k_max=self.num_spec_tokens, max_batch=self.max_num_running_reqs,
-                                        explore_budget=explore_budget_from_env(os.environ))
+        # (not `policy`: vLLM's Scheduler keeps its SchedulingPolicy, FCFS or priority, under that name)
+        _require(not hasattr(self, "speculation"), "vLLM's Scheduler now has an attribute `speculation`")
+        self.speculation = SpeculationPolicy(k_max=self.num_spec_tokens, max_batch=self.max_num_running_reqs,
+                                             explore_budget=explore_budget_from_env(os.environ))
         self._step: _Step | None = None
         self._finished: _Step | None = None
         self._prev_k = -1
@@ -94,9 +96,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         # what it schedules), so comparing the totals suffices; timed when also at the k of the step before
         decode_only = not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch + sum(
             len(d) for d in out.scheduled_spec_decode_tokens.values())
-        k = self.policy.choose(batch, decode_only)
+        k = self.speculation.choose(batch, decode_only)
         out.num_spec_tokens_to_schedule = k
-        settle = self.policy.settling if decode_only else -1
+        settle = self.speculation.settling if decode_only else -1
         timed = k == self._prev_k and decode_only and settle < 0   # settling steps stay out of k = 0's fit
         self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed, settle)
         self._prev_k = k
@@ -113,14 +115,14 @@ class AdaptiveSpeculationScheduler(Scheduler):
                     continue
                 drafts.append(len(tokens))
                 accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
-            self.policy.acceptance.observe(drafts, accepted)
-            self.policy.credit_verified(len(scheduler_output.num_scheduled_tokens), drafts, accepted)
+            self.speculation.acceptance.observe(drafts, accepted)
+            self.speculation.credit_verified(len(scheduler_output.num_scheduled_tokens), drafts, accepted)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Every weight sync ends with a prefix-cache reset (EngineClient.sync_weights, StepSync): the
         acceptance seen so far was the old weights', so the new ones' drafts soon outweigh it."""
-        self.policy.on_new_weights()
+        self.speculation.on_new_weights()
         return super().reset_prefix_cache(*args, **kwargs)
 
     def drafted_nothing(self) -> bool:
@@ -128,7 +130,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
 
     def end_step(self) -> None:
         step, self._step = self._step, None
-        if step is not None and (step.timed or step.settle >= 0) and self.policy.timing_valid:
+        if step is not None and (step.timed or step.settle >= 0) and self.speculation.timing_valid:
             step.t_end = time.perf_counter()
             self._finished = step
 
@@ -139,9 +141,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         step, self._finished = self._finished, None
         if step is not None and now - step.t_end <= 2.0 * (step.t_end - step.t0) + IDLE_GAP_S:
             if step.settle >= 0:
-                self.policy.observe_settle(step.settle, step.num_tokens, step.batch, now - step.t0)
+                self.speculation.observe_settle(step.settle, step.num_tokens, step.batch, now - step.t0)
             else:
-                self.policy.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
+                self.speculation.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
 
 
 def install_post_step_guard() -> None:
@@ -186,10 +188,12 @@ POLICY_STATS_UTILITY = "skyrl_adaptive_policy_stats"
 
 def _policy_stats(self: Any) -> dict[str, Any] | None:
     """An engine-core utility (AsyncLLM.engine_core.call_utility_async(POLICY_STATS_UTILITY)): the state
-    of the policy that chooses k (acceptance it decides on, k histogram, calibrated buckets), or None when
-    this engine core's scheduler is not the adaptive one."""
+    of the policy that chooses k (acceptance it decides on, k histogram, calibrated buckets) and vLLM's own
+    scheduling policy (`scheduling_policy`: "fcfs" or "priority"), or None when this engine core's scheduler
+    is not the adaptive one."""
     sched = self.scheduler
     if not isinstance(sched, AdaptiveSpeculationScheduler):
         return None
-    return {**sched.policy.stats(), "fetches_skipped": sched.fetches_skipped,
+    return {**sched.speculation.stats(), "fetches_skipped": sched.fetches_skipped,
+            "scheduling_policy": getattr(getattr(sched, "policy", None), "value", None),
             "kv_replay_cache": kv_replay_cache.stats()}

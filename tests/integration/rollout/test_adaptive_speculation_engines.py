@@ -67,6 +67,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     policy = stats["policy"]
     assert policy["explore_budget"] == 0.03   # EngineConfig.explore_budget reached the engine core's policy
     assert policy["max_batch"] == auto.cfg.max_num_seqs   # the scheduler's max_num_seqs bounds its bucket checks
+    assert policy["scheduling_policy"] == "fcfs"          # vLLM's own scheduling policy is left as vLLM set it
     model = policy["model_k_histogram"]
     assert policy["steps"] >= stats["steps"] and 0 < sum(model) < policy["steps"], policy
     assert policy["explored_steps"] >= 3 * 2 * 4   # at least the warm-up: 3 cycles of each k in 0..3 twice
@@ -143,6 +144,8 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     assert settle["settle_seconds"] == pytest.approx(sum(max(e, 0.0) for e in settle["settle_excess_per_pos"]))
     assert 0.0 <= settle["settle_seconds"] < 0.1, settle
     assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec
+    # and the policy answered some of those steps on its fast path (the last full choice held: nothing new)
+    assert 0 < settle["held_steps"] < settle["steps"], settle
     # vLLM's per-request replay boundaries came from the engine core's memo (kv_replay_cache): one miss per
     # distinct prompt length, a hit for every other request on every step
     memo = after["policy"]["kv_replay_cache"]

@@ -809,7 +809,7 @@ def test_engine_core_skips_the_draft_fetch_after_a_step_that_drafted_nothing():
 
     fetched = []
     sched = object.__new__(AdaptiveSpeculationScheduler)   # only the parts post_step touches
-    sched.policy, sched._step, sched.fetches_skipped = SpeculationPolicy(k_max=2), None, 0
+    sched.speculation, sched._step, sched.fetches_skipped = SpeculationPolicy(k_max=2), None, 0
     sched.update_draft_token_ids = lambda d: fetched.append(d)
     core = SimpleNamespace(scheduler=sched, check_for_draft_tokens=True, async_scheduling=False,
                            model_executor=SimpleNamespace(take_draft_token_ids=lambda: "drafts"))
