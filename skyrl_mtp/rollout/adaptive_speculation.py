@@ -741,6 +741,11 @@ class SpeculationPolicy:
 
     New weights (`on_new_weights`): the acceptance evidence is cut to `refresh_attempts` drafts per position.
 
+    Held steps (`_held`): most of an engine's plain steps repeat the last full choice's batch, or stay in a
+    bucket where not drafting is settled, with nothing new timed into the fit's solve, no new acceptance and
+    no exploration allowed to start; they get that choice's k and its bookkeeping without the full choice
+    (`held_steps` counts them).
+
     Savings (`credit_verified`): every verified step adds what its accepted drafts saved in engine time, by
     the fitted costs (the plain steps those tokens would have taken, less what drafting and verifying
     added), to `seconds_saved`: the trainer weighs it against what training the head costs.
