@@ -74,7 +74,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         _require(isinstance(getattr(self, "max_num_running_reqs", None), int),
                  "vLLM's Scheduler has no int `max_num_running_reqs` (the engine's max_num_seqs)")
         # (not `policy`: vLLM's Scheduler keeps its SchedulingPolicy, FCFS or priority, under that name)
-        _require(not hasattr(self, "speculation"), "vLLM's Scheduler now has an attribute `speculation`")
+        check_own_names_free(self)
         self.speculation = SpeculationPolicy(k_max=self.num_spec_tokens, max_batch=self.max_num_running_reqs,
                                              explore_budget=explore_budget_from_env(os.environ))
         self._step: _Step | None = None
@@ -144,6 +144,20 @@ class AdaptiveSpeculationScheduler(Scheduler):
                 self.speculation.observe_settle(step.settle, step.num_tokens, step.batch, now - step.t0)
             else:
                 self.speculation.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
+
+
+# what this class adds to vLLM's Scheduler: attributes set in __init__, and methods
+OWN_ATTRIBUTES = ("speculation", "_step", "_finished", "_prev_k", "fetches_skipped")
+OWN_METHODS = ("drafted_nothing", "end_step", "_time_finished_step")
+
+
+def check_own_names_free(scheduler: Any) -> None:
+    """vLLM's scheduler (after its __init__) uses none of the names this class adds: one that it did would be
+    overwritten here, as `policy` once was (vLLM's SchedulingPolicy, read by its preemption)."""
+    for name in OWN_ATTRIBUTES:
+        _require(not hasattr(scheduler, name), f"vLLM's Scheduler now has an attribute `{name}`")
+    for name in OWN_METHODS:
+        _require(not hasattr(Scheduler, name), f"vLLM's Scheduler now has a method `{name}`")
 
 
 def install_post_step_guard() -> None:

@@ -1178,3 +1178,22 @@ def test_the_fast_path_gives_way_to_an_exploration_its_budget_allows():
     assert starts["fast"][0] == starts["full"][0]
     assert len(starts["fast"][0]) >= 5                     # probes ran, each after a wait
     assert starts["fast"][1] >= 0.5 * 3000 and starts["full"][1] == 0
+
+
+def test_the_adaptive_scheduler_refuses_to_shadow_a_name_vllms_scheduler_uses(monkeypatch):
+    """The names the adaptive scheduler adds to vLLM's Scheduler are free there (it once kept its policy in
+    `policy`, overwriting vLLM's SchedulingPolicy); one vLLM starts using fails the engine at start, named."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from skyrl_mtp.rollout.adaptive_scheduler import OWN_ATTRIBUTES, check_own_names_free
+
+    check_own_names_free(SimpleNamespace(policy="fcfs", running=[]))   # vLLM's names: nothing of ours among them
+    for name in OWN_ATTRIBUTES:
+        with pytest.raises(AdaptiveSpeculationError, match=f"attribute `{name}`"):
+            check_own_names_free(SimpleNamespace(**{name: 0}))
+    monkeypatch.setattr(Scheduler, "end_step", lambda self: None, raising=False)
+    with pytest.raises(AdaptiveSpeculationError, match="method `end_step`"):
+        check_own_names_free(SimpleNamespace())
