@@ -81,6 +81,39 @@ def request_spec_counts(completion: Any) -> RequestSpecCounts | None:
                              num_accepted_tokens=int(sum(j * c for j, c in enumerate(hist))))
 
 
+def stats_recorded_with_outputs(max_num_seqs: int) -> tuple[bool, str]:
+    """Is one metrics read, once no generate call is in flight, sure to include every step of the calls that
+    finished? (and if not, why)
+
+    vLLM's AsyncLLM output handler hands a step's outputs to their requests (process_outputs), then records the
+    step's stats (`.record(`), and awaits nothing in between, except `asyncio.sleep(0)` between chunks of
+    VLLM_V1_OUTPUT_PROC_CHUNK_SIZE outputs and the abort of requests that hit a stop string. A step has at most
+    max_num_seqs outputs; the engine tracks stop strings itself (spec_counters). So a request's caller, which
+    runs only after the handler yields, finds its last step recorded. Checked on vLLM's source, since a change
+    there would make the counters of a window silently miss its last steps."""
+    import inspect
+    import re
+
+    from vllm import envs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    try:
+        src = inspect.getsource(AsyncLLM._run_output_handler)
+    except (AttributeError, OSError, TypeError) as e:
+        return False, f"cannot read vLLM's AsyncLLM._run_output_handler: {e}"
+    start, end = src.find("process_outputs("), src.find(".record(")
+    if start < 0 or end < start:
+        return False, "vLLM's output handler no longer hands out outputs (process_outputs) before recording stats"
+    awaited = set(re.findall(r"await\s+([\w.]+)\(", src[start:end]))
+    if not awaited <= {"asyncio.sleep", "engine_core.abort_requests_async"}:
+        return False, f"vLLM's output handler awaits {sorted(awaited)} between a step's outputs and its stats"
+    chunk = int(envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE)
+    if max_num_seqs > chunk:
+        return False, (f"max_num_seqs={max_num_seqs} exceeds VLLM_V1_OUTPUT_PROC_CHUNK_SIZE={chunk}: a step's "
+                       "outputs may be handed out in chunks, with other tasks run between them")
+    return True, ""
+
+
 def applied_engine_kwargs(vllm_config: Any, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The value vLLM ended up using for each passthrough engine argument (looked up in its sub-configs);
     shows the passthrough took effect. Keys not found under that name map to None."""
@@ -184,6 +217,10 @@ class InferenceEngine:
         self._lifecycle: list[tuple] = []
         self._in_flight = 0
         self._closed = False
+        self._stop_strings_done = False   # a generate call with stop strings finished since the last scrape
+        self._one_read_final, why = stats_recorded_with_outputs(self._engine.vllm_config.scheduler_config.max_num_seqs)
+        if not self._one_read_final:
+            logger.info("engine %d: metrics scrapes read until stable (%s)", self.engine_index, why)
 
     async def ready(self) -> dict[str, Any]:
         """Checks the worker-side reload API and returns what the driver needs to know."""
@@ -212,6 +249,7 @@ class InferenceEngine:
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
                 "vllm_kernel_build": checks[0]["vllm_kernel_build"], "thread_affinity": checks[0]["thread_affinity"],
+                "metrics_read_once": self._one_read_final,
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}
 
     async def generate(self, prompts: list[list[int]], spec: SamplingSpec,
@@ -228,6 +266,7 @@ class InferenceEngine:
                 for p, i in zip(prompts, prompt_indices))))
         finally:
             self._in_flight -= 1
+            self._stop_strings_done |= bool(spec.stop)
 
     async def _one(self, prompt: list[int], params: Any) -> list[GenerationOutput]:
         request_id = f"e{self.engine_index}-{next(self._request_ids)}"
@@ -241,19 +280,26 @@ class InferenceEngine:
         return [completion_to_output(c) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     async def spec_counters(self) -> SpecCounters:
-        """Cumulative counters of this engine; waits until vLLM's output handler has recorded the last step."""
+        """Cumulative counters of this engine, with the steps of every finished generate call recorded: read
+        once where that is certain (stats_recorded_with_outputs, nothing in flight, no stop strings since the
+        last read), else read until two reads 2 ms apart agree with nothing in flight (at most 50 reads)."""
         from dataclasses import replace
 
         from vllm.v1.metrics.reader import get_metrics_snapshot
 
-        prev = None
-        for _ in range(50):
-            await asyncio.sleep(0.002)
+        if self._one_read_final and self._in_flight == 0 and not self._stop_strings_done:
             cur = counters_from_vllm_metrics(get_metrics_snapshot())
-            if cur == prev and self._in_flight == 0:
-                break
-            prev = cur
-        cur = prev   # the last snapshot (stable, or the latest after 50 tries)
+        else:
+            prev = None
+            for _ in range(50):
+                await asyncio.sleep(0.002)
+                cur = counters_from_vllm_metrics(get_metrics_snapshot())
+                if cur == prev and self._in_flight == 0:
+                    break
+                prev = cur
+            cur = prev   # the last snapshot (stable, or the latest after 50 tries)
+            if self._in_flight == 0:
+                self._stop_strings_done = False
         if self.cfg.adaptive_speculation:
             # the engine core's policy counts the steps it scheduled at each k, which are the steps the worker
             # ran (the integration test checks both histograms agree); asking the worker as well would add a

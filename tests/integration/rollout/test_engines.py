@@ -100,6 +100,9 @@ def test_no_spec_reference(engine_pool, refs):
     assert m["rollout/train/generated_tokens"] == sum(len(o.token_ids) for o in outs)
     assert m["rollout/train/num_drafts"] == 0 and m["rollout/train/tokens_per_s"] > 0
     _assert_same(refs["oracle_again"], outs, "greedy is deterministic across calls")
+    # the window's counters above came from one read per segment (the exact token count shows it saw the
+    # last steps); the same holds below for the drafting engines
+    assert all(info["metrics_read_once"] for name in ("nospec", "k1") for info in engine_pool.get(name).engine_infos)
     assert [o.token_ids for o in refs["random"]] != [o.token_ids for o in outs], "sync changed nothing"
     info = engine_pool.get("nospec").engine_infos[0]
     assert info["cpu_sampling_fix"] in ("applied", "not_needed"), info

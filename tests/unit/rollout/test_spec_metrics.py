@@ -164,3 +164,26 @@ def test_what_the_drafts_saved_is_summed_over_engines_and_windowed():
     m = summarize_window(sum_counters([a1, b1]) - sum_counters([a0, b0]), "train", 3, 1.0)
     assert m["rollout/train/speculation_seconds_saved"] == pytest.approx(1.0)
     assert "rollout/train/speculation_seconds_saved" not in summarize_window(SpecCounters(), "train", 3, 1.0)
+
+
+def test_one_metrics_read_is_final_only_where_vllm_records_a_steps_stats_before_its_callers_run(monkeypatch):
+    """The engine reads its counters once, instead of until they are stable, only where vLLM's output
+    handler records a step's stats before anything awaits (one chunk of outputs per step); any other
+    await there, a larger batch than one chunk, or a source it cannot read sends it back to polling."""
+    import inspect
+
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from skyrl_mtp.rollout.engine import stats_recorded_with_outputs
+
+    assert stats_recorded_with_outputs(64) == (True, "")
+    ok, why = stats_recorded_with_outputs(4096)
+    assert not ok and "max_num_seqs=4096" in why and "VLLM_V1_OUTPUT_PROC_CHUNK_SIZE" in why
+    real = inspect.getsource(AsyncLLM._run_output_handler)
+    monkeypatch.setattr(inspect, "getsource", lambda fn: real.replace(
+        "output_processor.update_scheduler_stats(", "await asyncio.to_thread(print)\n    output_processor.update_scheduler_stats("))
+    ok, why = stats_recorded_with_outputs(64)
+    assert not ok and "asyncio.to_thread" in why
+    monkeypatch.setattr(inspect, "getsource", lambda fn: real.replace(".record(", ".log("))
+    assert not stats_recorded_with_outputs(64)[0]
