@@ -21,7 +21,7 @@ from skyrl_mtp.rollout import kv_replay_cache
 from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
-from skyrl_mtp.rollout.spec_metrics import SpecCounters, counters_from_vllm_metrics
+from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
 from skyrl_mtp.rollout.weight_sync import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
 from skyrl_mtp.rollout.weight_transfer.transport import WORKER_CHECKED_BACKENDS
 
@@ -285,15 +285,13 @@ class InferenceEngine:
         last read), else read until two reads 2 ms apart agree with nothing in flight (at most 50 reads)."""
         from dataclasses import replace
 
-        from vllm.v1.metrics.reader import get_metrics_snapshot
-
         if self._one_read_final and self._in_flight == 0 and not self._stop_strings_done:
-            cur = counters_from_vllm_metrics(get_metrics_snapshot())
+            cur = read_counters()
         else:
             prev = None
             for _ in range(50):
                 await asyncio.sleep(0.002)
-                cur = counters_from_vllm_metrics(get_metrics_snapshot())
+                cur = read_counters()
                 if cur == prev and self._in_flight == 0:
                     break
                 prev = cur

@@ -187,3 +187,31 @@ def test_one_metrics_read_is_final_only_where_vllm_records_a_steps_stats_before_
     assert not ok and "asyncio.to_thread" in why
     monkeypatch.setattr(inspect, "getsource", lambda fn: real.replace(".record(", ".log("))
     assert not stats_recorded_with_outputs(64)[0]
+
+
+def test_reading_the_five_counters_alone_gives_what_vllms_whole_snapshot_gives(monkeypatch):
+    """read_counters (prometheus_client's restricted registry) equals counters_from_vllm_metrics over vLLM's
+    own snapshot of the same registry: two engine indices, per-position counters, and metrics it must skip."""
+    pytest.importorskip("vllm")
+    import prometheus_client as prom
+    import vllm.v1.metrics.reader as reader
+
+    from skyrl_mtp.rollout.spec_metrics import counters_from_vllm_metrics, read_counters
+
+    reg = prom.CollectorRegistry()
+    labels = ["model_name", "engine"]
+    made = {name: prom.Counter(name, "", labels, registry=reg) for name in
+            ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+             "vllm:generation_tokens", "vllm:prompt_tokens")}
+    per_pos = prom.Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "", labels + ["position"], registry=reg)
+    prom.Histogram("vllm:e2e_request_latency_seconds", "", labels, registry=reg).labels("m", "0").observe(0.5)
+    for engine, scale in (("0", 1), ("1", 3)):
+        for i, name in enumerate(made):
+            made[name].labels("m", engine).inc(scale * (10 + i))
+        for pos, n in enumerate((7, 4, 2)[: 2 + int(engine)]):
+            per_pos.labels("m", engine, str(pos)).inc(scale * n)
+    monkeypatch.setattr(reader, "REGISTRY", reg)
+    got = read_counters(reg)
+    assert got == counters_from_vllm_metrics(reader.get_metrics_snapshot())
+    assert got.num_drafts == 40 and got.generated_tokens == 52 and got.accepted_per_pos == (28, 16, 6)
+    assert read_counters(prom.CollectorRegistry()) == SpecCounters()
