@@ -217,7 +217,9 @@ class InferenceEngine:
         self._lifecycle: list[tuple] = []
         self._in_flight = 0
         self._closed = False
-        self._stop_strings_done = False   # a generate call with stop strings finished since the last scrape
+        # a generate call with stop strings, or one that raised, ended since the last scrape: its last steps may
+        # be recorded after it returned (spec_counters)
+        self._poll_next_read = False
         self._generate_calls = 0          # generate calls started (the engine core steps for nothing else)
         self._policy_read: tuple[int, dict[str, Any]] | None = None   # the last policy stats and the count then
         self._one_read_final, why = stats_recorded_with_outputs(self._engine.vllm_config.scheduler_config.max_num_seqs)
@@ -262,14 +264,17 @@ class InferenceEngine:
 
         self._in_flight += 1
         self._generate_calls += 1
+        done = False
         try:
             # FINAL_ONLY: with n > 1 a streamed (cumulative) output carries only the samples that changed
-            return list(await asyncio.gather(*(
+            outs = list(await asyncio.gather(*(
                 self._one(p, SamplingParams(**spec.vllm_kwargs(i), output_kind=RequestOutputKind.FINAL_ONLY))
                 for p, i in zip(prompts, prompt_indices))))
+            done = True
+            return outs
         finally:
             self._in_flight -= 1
-            self._stop_strings_done |= bool(spec.stop)
+            self._poll_next_read |= bool(spec.stop) or not done
 
     async def _one(self, prompt: list[int], params: Any) -> list[GenerationOutput]:
         request_id = f"e{self.engine_index}-{next(self._request_ids)}"
@@ -284,11 +289,12 @@ class InferenceEngine:
 
     async def spec_counters(self) -> SpecCounters:
         """Cumulative counters of this engine, with the steps of every finished generate call recorded: read
-        once where that is certain (stats_recorded_with_outputs, nothing in flight, no stop strings since the
-        last read), else read until two reads 2 ms apart agree with nothing in flight (at most 50 reads)."""
+        once where that is certain (stats_recorded_with_outputs, nothing in flight, no call with stop strings
+        or that raised since the last read), else read until two reads 2 ms apart agree with nothing in flight
+        (at most 50 reads)."""
         from dataclasses import replace
 
-        if self._one_read_final and self._in_flight == 0 and not self._stop_strings_done:
+        if self._one_read_final and self._in_flight == 0 and not self._poll_next_read:
             cur = read_counters()
         else:
             prev = None
@@ -300,7 +306,7 @@ class InferenceEngine:
                 prev = cur
             cur = prev   # the last snapshot (stable, or the latest after 50 tries)
             if self._in_flight == 0:
-                self._stop_strings_done = False
+                self._poll_next_read = False
         if self.cfg.adaptive_speculation:
             # the engine core's policy counts the steps it scheduled at each k, which are the steps the worker
             # ran (the integration test checks both histograms agree); asking the worker as well would add a
