@@ -88,9 +88,9 @@ def stats_recorded_with_outputs(max_num_seqs: int) -> tuple[bool, str]:
     vLLM's AsyncLLM output handler hands a step's outputs to their requests (process_outputs), then records the
     step's stats (`.record(`), and awaits nothing in between, except `asyncio.sleep(0)` between chunks of
     VLLM_V1_OUTPUT_PROC_CHUNK_SIZE outputs and the abort of requests that hit a stop string. A step has at most
-    max_num_seqs outputs; the engine tracks stop strings itself (spec_counters). So a request's caller, which
-    runs only after the handler yields, finds its last step recorded. Checked on vLLM's source, since a change
-    there would make the counters of a window silently miss its last steps."""
+    max_num_seqs outputs; after a call with stop strings, or one that raised, the engine polls (spec_counters).
+    So a request's caller, which runs only after the handler yields, finds its last step recorded. Checked on
+    vLLM's source, since a change there would make the counters of a window silently miss its last steps."""
     import inspect
     import re
 
