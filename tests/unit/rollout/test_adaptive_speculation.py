@@ -913,6 +913,33 @@ def test_a_rollouts_tail_gets_every_bucket_timed_and_stops_drafting_where_it_doe
     assert sum(s[3] for s in late) <= 0.02 * len(late), sum(s[3] for s in late)
 
 
+def _rollouts_to_follow(pol: SpeculationPolicy, seed: int, good: list[float], limit: int) -> int | None:
+    """Ten RL rollouts with a head that is never accepted, then `limit` with one accepted at `good` (new
+    weights before each): the first of those in which the steps where some k > 0 is the fastest drafted on
+    at least half of them (counted from 1), or None."""
+    rng = random.Random(seed)
+    _rl_rollouts(pol, rng, [0.0] * pol.k_max, 10, _tiny_default_step)
+    pays = {b for b in range(1, 65)
+            if min(range(pol.k_max + 1), key=lambda k: _tiny_default_step(b, k) / expected_tokens(good, k)) > 0}
+    for r in range(1, limit + 1):
+        pol.on_new_weights()
+        steps = [s for s in _rl_rollouts(pol, rng, good, 1, _tiny_default_step) if s[1] in pays]
+        if sum(s[2] > 0 for s in steps) >= 0.5 * len(steps):
+            return r
+    return None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_at_the_default_budget_a_head_that_starts_paying_is_followed_within_a_few_rollouts(seed):
+    # the closed loop: ten rollouts of an untrained head leave every bucket at k = 0 with the acceptance
+    # estimate near 0; the exploration budget pays for the probes that find the trained head (4-7 rollouts for
+    # these seeds, with the tail's buckets to calibrate once it is found)
+    good = [0.95, 0.95, 0.95]
+    assert _rollouts_to_follow(SpeculationPolicy(k_max=3), seed, good, 12) <= 10
+    # nothing explored where it is predicted to cost: the untrained head's k = 0 is never left
+    assert _rollouts_to_follow(SpeculationPolicy(k_max=3, explore_budget=0.0), seed, good, 12) is None
+
+
 def test_the_fits_plain_python_algebra_matches_numpys():
     """OnlineLinearFit solves in plain Python (numpy is slow in the engine core between model steps): its
     inverse, weights and standard errors are numpy's to rounding."""
