@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,7 +62,13 @@ class EngineClient:
         self.last_sync_seconds: float | None = None
         self.last_sync_stats: dict[str, float] = {}
         self._driver_sender: Any = None
-        self.metrics = SpecMetricsWindow(self._scrape_counters, cfg.num_speculative_tokens)
+        self._dispatched = 0            # generate calls dispatched so far
+        self._in_flight = 0             # of them, not yet returned
+        # the engines' counters summed, and `_dispatched` when read: they hold until the next dispatch
+        self._counters: tuple[int, SpecCounters] | None = None
+        self._pending_read: _PendingRead | None = None
+        self.metrics = SpecMetricsWindow(self._scrape_counters, cfg.num_speculative_tokens,
+                                         snapshot_later=self._scrape_counters_later)
 
     @classmethod
     def create(cls, cfg: EngineConfig, *, num_cpus_per_engine: float = 1, num_gpus_per_engine: float = 0,
@@ -119,6 +125,9 @@ class EngineClient:
             raise TypeError(f"sampling must be a SamplingSpec, got {type(sampling).__name__}")
         sampling = dataclasses.replace(sampling)   # re-validates fields changed after construction
         validate_prompts(prompts, self.vocab_size, self.cfg.max_model_len)
+        self._complete_pending_read()   # a read started before this dispatch reads the counters before it
+        self._dispatched += 1
+        self._in_flight += 1
         engines = assign_least_loaded(len(prompts), self._loads, sampling.n)
         calls = []
         for e in range(self.num_engines):
@@ -137,6 +146,7 @@ class EngineClient:
         return [o for outs in per_prompt for o in outs]
 
     def _release(self, calls, n: int) -> None:
+        self._in_flight -= 1
         for e, idx, _ in calls:
             self._loads[e] -= len(idx) * n
 
@@ -260,12 +270,68 @@ class EngineClient:
         return ray.get([a.spec_counters.remote() for a in self._actors])
 
     def _scrape_counters(self) -> SpecCounters:
-        return sum_counters(self.per_engine_counters())
+        """The engines' counters summed (the metrics window's snapshot). An engine's counters change only
+        while it generates, so a read taken with nothing in flight holds until the next dispatch: a window
+        that reopens with nothing generated since (resumed after the rewards, started after training) reuses
+        it instead of a round trip to every engine."""
+        self._complete_pending_read()
+        if self._counters is not None and self._counters[0] == self._dispatched and not self._in_flight:
+            return self._counters[1]
+        dispatched, idle = self._dispatched, not self._in_flight
+        counters = self._finish_engine_reads(self._start_engine_reads())
+        self._keep_counters(dispatched, idle, counters)
+        return counters
+
+    def _scrape_counters_later(self) -> Callable[[], SpecCounters]:
+        """Start the window's snapshot at a pause and return what completes it: the engines read their
+        counters while the driver computes the rewards, and the next dispatch (or read) waits for that read
+        first, so it holds the counters as they were at the pause. With generate calls in flight it reads
+        at once (what it would read later depends on when)."""
+        self._complete_pending_read()
+        if (self._counters is not None and self._counters[0] == self._dispatched) or self._in_flight:
+            counters = self._scrape_counters()
+            return lambda: counters
+        pending = self._pending_read = _PendingRead(self._dispatched, self._start_engine_reads())
+        return lambda: self._complete(pending)
+
+    def _complete_pending_read(self) -> None:
+        if self._pending_read is not None:
+            self._complete(self._pending_read)
+
+    def _complete(self, pending: _PendingRead) -> SpecCounters:
+        if pending.counters is None:
+            if self._pending_read is pending:
+                self._pending_read = None
+            pending.counters = self._finish_engine_reads(pending.refs)
+            self._keep_counters(pending.dispatched, True, pending.counters)
+        return pending.counters
+
+    def _keep_counters(self, dispatched: int, idle_before: bool, counters: SpecCounters) -> None:
+        """Keep a read for reuse if nothing was in flight before or after it, and nothing dispatched meanwhile."""
+        if idle_before and not self._in_flight and self._dispatched == dispatched:
+            self._counters = (dispatched, counters)
+
+    def _start_engine_reads(self) -> list[Any]:
+        return [a.spec_counters.remote() for a in self._actors]
+
+    def _finish_engine_reads(self, refs: list[Any]) -> SpecCounters:
+        import ray
+
+        return sum_counters(ray.get(refs))
 
     def shutdown(self) -> None:
         self.release_driver_sender()
         _stop_actors(self._actors)
         self._actors = []
+
+
+@dataclasses.dataclass
+class _PendingRead:
+    """A read of every engine's counters started at `dispatched` dispatches (ray refs), and its sum once read."""
+
+    dispatched: int
+    refs: list[Any]
+    counters: SpecCounters | None = None
 
 
 def _stop_actors(actors: list[Any]) -> None:

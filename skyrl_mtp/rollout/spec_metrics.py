@@ -5,7 +5,11 @@ those counters (summed over engines) when it opens, pauses, resumes and closes, 
 deltas accumulated while it was open and not paused, so train and eval rollouts never mix and
 time spent outside generation (rewards, weight sync) does not dilute throughput.
 
-The logic here is pure: `SpecMetricsWindow` takes a snapshot callable and a clock, so it is tested
+A pause may take its snapshot later (`snapshot_later`): the caller pauses a window when generation stops
+(the rewards are computed next), so the engines' counters cannot change until it generates again, and the
+read can run beside the rewards instead of before them; it is resolved when the window resumes or stops.
+
+The logic here is pure: `SpecMetricsWindow` takes snapshot callables and a clock, so it is tested
 with fake counters; `counters_from_vllm_metrics` turns vLLM's metric objects into `SpecCounters`, and
 `read_counters` reads the same from a Prometheus registry directly.
 """
@@ -173,10 +177,15 @@ class SpecMetricsWindow:
 
     Counters and time accumulate only while the window is open and not paused. One window at a
     time: starting a window while another is open is an error, so train and eval never mix.
+
+    `snapshot_later`, where given, starts the snapshot a pause takes and returns what completes it; the
+    window completes it at the next resume() or stop(). Its caller guarantees that the snapshot holds the
+    counters as they were at the pause (EngineClient waits for it before it generates again).
     """
 
     def __init__(self, snapshot: Callable[[], SpecCounters], num_speculative_tokens: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 snapshot_later: Callable[[], Callable[[], SpecCounters]] | None = None):
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} is invalid: an int >= 0")
@@ -189,6 +198,8 @@ class SpecMetricsWindow:
         self._seconds = 0.0
         self._seg_counters: SpecCounters | None = None
         self._seg_start = 0.0
+        self._snapshot_later = snapshot_later
+        self._pending: tuple[Callable[[], SpecCounters], SpecCounters] | None = None   # a pause's snapshot
 
     @property
     def label(self) -> str | None:
@@ -213,22 +224,27 @@ class SpecMetricsWindow:
         self._require_open("pause")
         if self._paused:
             raise RuntimeError(f"metrics window {self._label!r} is already paused")
-        self._close_segment()
+        self._close_segment(later=self._snapshot_later is not None)
         self._paused = True
 
     def resume(self) -> None:
         self._require_open("resume")
         if not self._paused:
             raise RuntimeError(f"metrics window {self._label!r} is not paused")
+        self._complete_pause()
         self._paused = False
         self._open_segment()
 
     def stop(self) -> dict[str, float]:
         self._require_open("stop")
-        if not self._paused:
-            self._close_segment()
-        label, delta, seconds = self._label, self._acc, self._seconds
-        self._label, self._paused = None, False
+        try:
+            if self._paused:
+                self._complete_pause()
+            else:
+                self._close_segment()
+        finally:
+            label, delta, seconds = self._label, self._acc, self._seconds
+            self._label, self._paused, self._pending = None, False, None
         return summarize_window(delta, label, self._k, seconds)
 
     def _require_open(self, action: str) -> None:
@@ -239,8 +255,17 @@ class SpecMetricsWindow:
         self._seg_counters = self._snapshot()
         self._seg_start = self._clock()
 
-    def _close_segment(self) -> None:
-        now_counters, now = self._snapshot(), self._clock()
-        self._acc = self._acc + (now_counters - self._seg_counters)
+    def _close_segment(self, later: bool = False) -> None:
+        now = self._clock()
+        if later:
+            self._pending = (self._snapshot_later(), self._seg_counters)
+        else:
+            self._acc = self._acc + (self._snapshot() - self._seg_counters)
         self._seconds += now - self._seg_start
         self._seg_counters = None
+
+    def _complete_pause(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            complete, opened = pending
+            self._acc = self._acc + (complete() - opened)

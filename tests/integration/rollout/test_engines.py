@@ -325,17 +325,26 @@ def test_bad_generate_inputs_are_rejected_and_engine_keeps_serving(engine_pool, 
 def test_metrics_window_pause_labels_and_deltas(engine_pool, refs):
     k1 = engine_pool.get("k1")
     w = k1.metrics
-    w.start("train")
-    t0 = time.monotonic()
-    a = k1.generate_sync(PROMPTS, GREEDY)
-    w.pause()
-    time.sleep(1.0)
-    k1.generate_sync(PROMPTS[:2], GREEDY)                  # generated while paused: not counted
-    w.resume()
-    b = k1.generate_sync(PROMPTS, GREEDY)
-    with pytest.raises(RuntimeError, match="still open"):
-        w.start("eval")
-    train = w.stop()
+    reads = []
+    start_reads = k1._start_engine_reads
+    k1._start_engine_reads = lambda: (reads.append(time.monotonic()), start_reads())[1]
+    try:
+        w.start("train")
+        t0 = time.monotonic()
+        a = k1.generate_sync(PROMPTS, GREEDY)
+        w.pause()                                          # starts its read: the engines answer meanwhile
+        assert k1._pending_read is not None and len(reads) == 2
+        time.sleep(1.0)
+        k1.generate_sync(PROMPTS[:2], GREEDY)              # generated while paused: not counted
+        assert k1._pending_read is None                    # the pause's read completed before that dispatch
+        w.resume()
+        b = k1.generate_sync(PROMPTS, GREEDY)
+        with pytest.raises(RuntimeError, match="still open"):
+            w.start("eval")
+        train = w.stop()
+        assert len(reads) == 4                             # start, pause, resume (after a generation), stop
+    finally:
+        k1._start_engine_reads = start_reads
     wall = time.monotonic() - t0
     n_train = sum(len(o.token_ids) for o in a + b)
     assert train["rollout/train/generated_tokens"] == n_train
@@ -343,7 +352,8 @@ def test_metrics_window_pause_labels_and_deltas(engine_pool, refs):
     assert train["rollout/train/num_accepted_tokens"] == train["rollout/train/num_draft_tokens"]
     assert train["rollout/train/active_seconds"] <= wall - 0.9
     assert train["rollout/train/tokens_per_s"] == pytest.approx(n_train / train["rollout/train/active_seconds"])
-    w.start("eval")
+    w.start("eval")                                        # nothing generated since the stop: its read holds
+    assert k1._counters is not None and k1._counters[0] == k1._dispatched
     c = k1.generate_sync(PROMPTS[:3], GREEDY)
     ev = w.stop()
     assert ev["rollout/eval/generated_tokens"] == sum(len(o.token_ids) for o in c)

@@ -215,3 +215,152 @@ def test_reading_the_five_counters_alone_gives_what_vllms_whole_snapshot_gives(m
     assert got == counters_from_vllm_metrics(reader.get_metrics_snapshot())
     assert got.num_drafts == 40 and got.generated_tokens == 52 and got.accepted_per_pos == (28, 16, 6)
     assert read_counters(prom.CollectorRegistry()) == SpecCounters()
+
+
+def test_a_pause_may_complete_its_snapshot_later_with_the_same_metrics():
+    """snapshot_later: the pause's read is started at the pause and completed at resume / stop; the metrics
+    equal those of a window that reads at once, and the pause itself reads nothing."""
+    def run(later: bool):
+        eng = FakeEngines()
+        reads, started = [], []
+
+        def snapshot():
+            reads.append("now")
+            return eng.counters
+
+        def snapshot_later():
+            started.append(eng.counters)   # the caller guarantees the counters as they were at the pause
+            held = eng.counters
+            return lambda: (reads.append("later"), held)[1]
+
+        w = SpecMetricsWindow(snapshot, 2, clock=lambda: eng.now, snapshot_later=snapshot_later if later else None)
+        w.start("train")
+        eng.generate(10, (8, 4), seconds=1.0)
+        w.pause()
+        paused_reads = list(reads)
+        eng.now += 50.0
+        w.resume()
+        eng.generate(6, (6, 0), seconds=2.0)
+        w.pause()
+        eng.now += 50.0
+        return w.stop(), paused_reads, reads, started
+
+    at_once, _, reads_at_once, _ = run(False)
+    m, paused_reads, reads, started = run(True)
+    assert m == at_once
+    assert m["rollout/train/num_drafts"] == 16 and m["rollout/train/active_seconds"] == pytest.approx(3.0)
+    assert paused_reads == ["now"] and len(started) == 2          # the start read at once, the pause started one
+    assert reads == ["now", "later", "now", "later"]
+    assert reads_at_once == ["now", "now", "now", "now"]
+
+
+def test_a_failed_later_snapshot_closes_the_window():
+    eng = FakeEngines()
+
+    def snapshot_later():
+        def fail():
+            raise RuntimeError("engine died")
+        return fail
+
+    w = SpecMetricsWindow(lambda: eng.counters, 2, clock=lambda: eng.now, snapshot_later=snapshot_later)
+    w.start("train")
+    w.pause()
+    with pytest.raises(RuntimeError, match="engine died"):
+        w.stop()
+    assert w.label is None
+    w.start("eval")   # not stuck open
+
+
+class CountingClient:
+    """EngineClient's read bookkeeping over fake engines: counters change only when a generate call is
+    dispatched; `starts` / `finishes` count the Ray reads the client starts and completes."""
+
+    def __new__(cls):
+        from types import SimpleNamespace
+
+        from skyrl_mtp.rollout.client import EngineClient
+
+        class Fake(EngineClient):
+            def _start_engine_reads(self):
+                self.starts += 1
+                return ["ref"]
+
+            def _finish_engine_reads(self, refs):
+                assert refs == ["ref"]
+                self.finishes += 1
+                return self.engine_counters
+
+        engine = SimpleNamespace(generate=SimpleNamespace(remote=None))
+        cfg = SimpleNamespace(num_speculative_tokens=2, max_model_len=64)
+        client = Fake(cfg, [engine], [{"schema": None, "vocab_size": 32}])
+        client.starts = client.finishes = 0
+        client.engine_counters = SpecCounters(num_drafts=0)
+
+        def generate(prompts, sampling, idx):
+            client.engine_counters = client.engine_counters + SpecCounters(num_drafts=10, num_draft_tokens=20,
+                                                                           generated_tokens=30)
+            return "gen-ref"
+
+        engine.generate.remote = generate
+        return client
+
+
+def _generation(client, *, release=True):
+    from skyrl_mtp.rollout.sampling import SamplingSpec
+
+    sampling, calls = client._dispatch([[1, 2]], SamplingSpec(max_tokens=4))
+    if release:
+        client._release(calls, sampling.n)
+    return calls
+
+
+def test_the_client_reads_counters_beside_the_rewards_and_reuses_a_read_until_the_next_dispatch():
+    c = CountingClient()
+    w = c.metrics
+    w.start("train")
+    assert (c.starts, c.finishes) == (1, 1)
+    _generation(c)
+    w.pause()
+    assert (c.starts, c.finishes) == (2, 1)      # started, not waited for: the rewards run meanwhile
+    w.resume()
+    assert (c.starts, c.finishes) == (2, 2)      # completed; the reopening reuses it
+    _generation(c)
+    w.pause()
+    m = w.stop()
+    assert (c.starts, c.finishes) == (3, 3)
+    assert m["rollout/train/num_drafts"] == 20 and m["rollout/train/generated_tokens"] == 60
+    w.start("eval")                              # nothing generated since: no read
+    assert (c.starts, c.finishes) == (3, 3)
+    _generation(c)
+    assert w.stop()["rollout/eval/num_drafts"] == 10
+    assert (c.starts, c.finishes) == (4, 4)      # a stop that is not paused reads at once
+
+
+def test_a_dispatch_while_paused_waits_for_the_pauses_read_first():
+    c = CountingClient()
+    w = c.metrics
+    w.start("train")
+    _generation(c)
+    w.pause()
+    assert c.finishes == 1
+    _generation(c)                               # generated while paused: not counted
+    assert c.finishes == 2                       # the pause's read completed before that dispatch
+    w.resume()
+    _generation(c)
+    m = w.stop()
+    assert m["rollout/train/num_drafts"] == 20
+    assert (c.starts, c.finishes) == (4, 4)      # the resume read again: something was generated since
+
+
+def test_reads_with_a_generate_call_in_flight_are_taken_at_once_and_not_reused():
+    c = CountingClient()
+    w = c.metrics
+    w.start("train")
+    calls = _generation(c, release=False)
+    w.pause()                                    # in flight: read at once
+    assert (c.starts, c.finishes) == (2, 2)
+    w.resume()                                   # not reused: the call in flight may still change the counters
+    assert (c.starts, c.finishes) == (3, 3)
+    c._release(calls, 1)
+    w.stop()
+    assert (c.starts, c.finishes) == (4, 4)
