@@ -730,9 +730,7 @@ class SpeculationPolicy:
     drafting's favour, puts the best k > 0 within `calibrate_within` of k = 0 in tokens per second; an
     untrained head, or drafts that cost several plain steps: nothing to calibrate for; the probes keep
     watching) and the cycle fits the exploration budget (below). Until it has been timed at every k a
-    bucket runs k = 0: its costs would be read off the fit over all batch sizes, an extrapolation. A cycle the
-    batch leaves before it has timed anything (`_cut_calibration`) is tried again after a wait that doubles
-    with each such try.
+    bucket runs k = 0: its costs would be read off the fit over all batch sizes, an extrapolation.
 
     Choice: best_k, which switches a bucket away from the k it chose last (k = 0 at first) only on evidence
     beyond one standard error of the cost fit. Challenges: a k that could beat that choice within the
@@ -780,8 +778,6 @@ class SpeculationPolicy:
     probe_every_max: int = 512
     min_gain: float = 0.1
     calibrate_within: float = 0.25
-    calibrate_retry: int = 32
-    calibrate_retry_max: int = 512
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     challenge_every: int = 4
     refresh_attempts: float = 16.0
@@ -800,10 +796,6 @@ class SpeculationPolicy:
     _queue_bucket: int = 0         # the bucket an exploration's queued steps are for (0: the warm-up, any batch)
     _queue_calibrates: bool = False   # the queued steps are a bucket's calibration cycle
     _cycled: set[int] = field(default_factory=set)           # buckets given a calibration cycle after warm-up
-    _queue_length: int = 0         # the queued calibration's steps when it started
-    _retry_at: dict[int, int] = field(default_factory=dict)   # per bucket: no new calibration before this step
-    _retry_gap: dict[int, int] = field(default_factory=dict)  # per bucket: the wait after its next cut-short try
-    calibrations_cut_short: int = 0   # calibrations the batch left before they timed anything
     _incumbent: dict[int, int] = field(default_factory=dict)  # per bucket: the k the model chose last
     _interval: int = 0
     _next_probe_at: int = 0
@@ -888,13 +880,12 @@ class SpeculationPolicy:
             self._queue, self._queue_bucket = self._cycle() * self.warmup_cycles, 0
         if self._queue and self._queue_bucket and (b != self._queue_bucket or not steady):
             if self._queue_calibrates:   # a calibration cut short may run again later, within the budget
-                self._cut_calibration(self._queue_bucket)
+                self._cycled.discard(self._queue_bucket)
             self._queue = []
         if (steady and not self._queue and b not in self._cycled and not self.cost.covers(batch)
-                and self.steps >= self._retry_at.get(b, 0) and self._calibration_due(batch)):
+                and self._calibration_due(batch)):
             self._cycled.add(b)
             self._queue, self._queue_bucket, self._queue_calibrates = self._calibration(batch), b, True
-            self._queue_length = len(self._queue)
             self._spent_at_probe = self._spent
         queued = bool(self._queue)
         if queued:
@@ -926,21 +917,6 @@ class SpeculationPolicy:
         if not queued and k == chosen and steady and self._interval and self.cost.covers(batch):
             self._hold = self._hold_after(batch, k)
         return k
-
-    def _cut_calibration(self, b: int) -> None:
-        """Bucket b's calibration was cut short (the batch left the bucket, or prompt tokens came). Where it
-        timed nothing (a k is timed on its second step), the next try waits `calibrate_retry` steps, doubling
-        per try that times nothing, up to `calibrate_retry_max`: a bucket a rollout's draining batch passes
-        through in a step, as the tiny default's does from 64 sequences, would otherwise start a cycle at
-        every rollout, each paying one draft step and timing nothing."""
-        self._cycled.discard(b)
-        if self._queue_length - len(self._queue) >= 2:
-            self._retry_gap.pop(b, None)
-            return
-        self.calibrations_cut_short += 1
-        gap = self._retry_gap.get(b, self.calibrate_retry)
-        self._retry_at[b] = self.steps + gap
-        self._retry_gap[b] = min(2 * gap, max(self.calibrate_retry_max, self.calibrate_retry))
 
     def _exploration_gate(self, rival: int, steps: int) -> int:
         """Which exploration choose asks about at a steady step once the model has chosen: 1 a challenge, 2 a
@@ -1169,7 +1145,6 @@ class SpeculationPolicy:
                 "acceptance_per_pos": self.acceptance.rates(),
                 "attempts_per_pos": list(self.acceptance.attempts),
                 "calibrated_buckets": self.cost.covered_buckets(), "seconds_saved": self.seconds_saved,
-                "calibrations_cut_short": self.calibrations_cut_short,
                 "settle_seconds": self.settle_seconds, "settle_excess_per_pos": list(self.settle_excess),
                 "settle_timings_per_pos": list(self.settle_weight)}
 

@@ -686,39 +686,6 @@ def test_a_bucket_the_fit_can_only_extrapolate_to_is_calibrated_at_once_where_dr
     assert pol._cycled == {5}
 
 
-def test_a_calibration_the_batch_leaves_before_it_times_anything_waits_longer_at_each_try():
-    """A rollout's draining batch that passes through a bucket in one step (64 -> 40 -> 20 on the tiny
-    default, its requests ending on stop tokens together) cuts every cycle there after its first step, which
-    times nothing. Each such try makes the next wait twice as long, from `calibrate_retry` steps; a cycle that
-    runs two steps there (times a k) does not."""
-    def truth(n, b, k):
-        return 0.010 + 0.0002 * n + (k > 0) * (0.006 + 0.0002 * b) + max(k - 1, 0) * (0.004 + 0.0001 * b)
-
-    pol = _timed_at_batch_one_only(truth, seed=0)
-    pol.acceptance.observe([3] * 400, [3] * 380 + [1] * 20)
-    starts = []
-    for _ in range(100):               # one step at 16 sequences, then three at 1 (a bucket timed at every k)
-        explored = pol.explored_steps
-        pol.choose(16)
-        if pol.explored_steps > explored:
-            starts.append(pol.steps)
-        [pol.choose(1) for _ in range(3)]
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    # 400 steps: tries after 32, 64 and 128 steps (plus the visits' spacing), the next one due after 256
-    assert len(starts) == pol.calibrations_cut_short == 4, starts
-    assert [32 * 2 ** i <= g < 32 * 2 ** i + 8 for i, g in enumerate(gaps)] == [True] * 3, gaps
-    assert pol._retry_at[bucket(16)] - starts[-1] >= 256
-    while pol.steps < pol._retry_at[bucket(16)]:
-        pol.choose(1)
-    explored = pol.explored_steps
-    assert [pol.choose(16) for _ in range(2)] == [0, 0]    # the next try runs two steps (k = 0 is timed)
-    pol.choose(1)
-    assert pol.explored_steps == explored + 2
-    assert pol.calibrations_cut_short == 4 and bucket(16) not in pol._retry_gap
-    pol.choose(16)                                         # and the one after it need not wait
-    assert pol.explored_steps == explored + 3
-
-
 def test_an_extrapolated_bucket_is_not_calibrated_where_drafts_already_cost_too_much_at_a_smaller_batch():
     # a draft step costs 3 plain steps at batch 1 (timed with +-20% noise), and a weak head: whatever the
     # fit's doubt about batch 16, drafting for 16 requests costs no less, so no cycle is spent there
