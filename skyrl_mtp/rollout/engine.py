@@ -220,8 +220,6 @@ class InferenceEngine:
         # a generate call with stop strings, or one that raised, ended since the last scrape: its last steps may
         # be recorded after it returned (spec_counters)
         self._poll_next_read = False
-        self._generate_calls = 0          # generate calls started (the engine core steps for nothing else)
-        self._policy_read: tuple[int, dict[str, Any]] | None = None   # the last policy stats and the count then
         self._one_read_final, why = stats_recorded_with_outputs(self._engine.vllm_config.scheduler_config.max_num_seqs)
         if not self._one_read_final:
             logger.info("engine %d: metrics scrapes read until stable (%s)", self.engine_index, why)
@@ -263,7 +261,6 @@ class InferenceEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._in_flight += 1
-        self._generate_calls += 1
         done = False
         try:
             # FINAL_ONLY: with n > 1 a streamed (cumulative) output carries only the samples that changed
@@ -310,17 +307,10 @@ class InferenceEngine:
         if self.cfg.adaptive_speculation:
             # the engine core's policy counts the steps it scheduled at each k, which are the steps the worker
             # ran (the integration test checks both histograms agree); asking the worker as well would add a
-            # round trip through vLLM's executor to every window segment. Its counts change only as the engine
-            # core steps, which it does for generate calls alone: with none started since the last read and none
-            # in flight (a window resumed after the rewards, or opened after training), that read still holds
-            calls, idle = self._generate_calls, self._in_flight == 0
-            if idle and self._policy_read is not None and self._policy_read[0] == calls:
-                policy = self._policy_read[1]
-            else:
-                policy = await self._policy_stats()
-                # kept only if read with nothing in flight before or after, and nothing started meanwhile
-                self._policy_read = ((calls, policy) if idle and not self._in_flight and self._generate_calls == calls
-                                     else None)
+            # round trip through vLLM's executor to every read. (EngineClient reads only where something was
+            # generated since its last read, or while something is: the counts change only as the engine core
+            # steps, which it does for generate calls alone.)
+            policy = await self._policy_stats()
             cur = replace(cur, speculation_steps=float(policy["steps"]), speculation_k_sum=float(policy["k_sum"]),
                           speculation_k_hist=tuple(float(n) for n in policy["k_histogram"]),
                           speculation_model_k_hist=tuple(float(n) for n in policy["model_k_histogram"]),
