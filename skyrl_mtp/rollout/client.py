@@ -267,7 +267,7 @@ class EngineClient:
         """Cumulative counters of each engine (the metrics window sums these)."""
         import ray
 
-        return ray.get([a.spec_counters.remote() for a in self._actors])
+        return ray.get(self._start_engine_reads())
 
     def _scrape_counters(self) -> SpecCounters:
         """The engines' counters summed (the metrics window's snapshot). An engine's counters change only
