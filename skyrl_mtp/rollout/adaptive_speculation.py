@@ -23,7 +23,8 @@ Closed loop: the first engine steps cycle k over k_max..0 to calibrate, and the 
 new batch bucket, while drafting can still pay, starts a cycle over the ks that bucket has not timed (a rollout's
 tail cuts such cycles short; the next one resumes with what is left). Afterwards a probe every `probe_every` steps (backing off while
 probes change nothing) runs, in turn, a neighbour of the best k (one shallower, one deeper) or k = 0 for two
-steps, so the next position's acceptance and the costs stay measured as the head and the batch change; and a k
+steps, so the next position's acceptance and the costs stay measured as the head and the batch change (a probe
+from k = 0 waits, up to one more interval, for a batch where it costs less: a rollout's tail); and a k
 that may beat the best one within the fit's standard error is timed again soon (a challenge), so doubt does
 not hold the engine at a k the evidence has turned against. Every exploration starts on a decode-only step
 (one the engine times) and ends when the batch leaves its bucket. At k = 0 the drafter does not run; its KV cache
@@ -594,7 +595,7 @@ class _Hold:
     acceptance_version: int
     settle_version: int
     gate: int               # _exploration_gate at that step
-    regret: float           # where an exploration was due: the regret that kept it waiting
+    regret: float           # where an exploration was due: the regret that kept it waiting (inf: a smaller batch)
     settled_top: int        # where k = 0 is settled across the bucket (_model_choice): its largest batch, else 0
     lines: LineTable | None   # and then the fit's lines, which give each batch size's step time
 
@@ -751,6 +752,9 @@ class SpeculationPolicy:
     added), to `seconds_saved`: the trainer weighs it against what training the head costs.
 
     Probes: at most one per `probe_every` steps (doubling up to `probe_every_max` while they change nothing).
+    A probe from k = 0 that costs `probe_cheaper_by` times more at this batch than at the smallest batch the
+    engine has timed at every k waits for a step at a batch where it costs less (a rollout's tail), for at
+    most one more interval (_cheaper_at_a_smaller_batch): it learns the same acceptance there, for less.
     Probes and bucket calibrations share one budget: each runs only when its predicted regret (regret_seconds:
     the engine time its steps take beyond what the best k needs for the same expected tokens) is within
     `explore_budget` of the engine time predicted since the last one (`trainer.mtp.explore_budget`; at 0 only
@@ -819,6 +823,11 @@ class SpeculationPolicy:
     _settle_version: int = 0       # counts observe_settle's updates (settle_seconds changed)
     _regret_memo: tuple[tuple, float] | None = None   # _two_steps_affordable's inputs -> the excursion's regret
     _hold: _Hold | None = None     # what the last full choice rested on, for choose's fast path (_held)
+    # a probe from k = 0 waits for a batch where it costs this many times less (_cheaper_at_a_smaller_batch);
+    # math.inf: it never waits
+    probe_cheaper_by: float = 2.0
+    _probe_deferred: bool = False  # the last due probe was affordable but waits for a smaller batch
+    _small_regret_memo: tuple[tuple, float] | None = None   # _cheaper_at_a_smaller_batch's inputs -> the regret there
     held_steps: int = 0            # steps answered by that fast path
 
     def __post_init__(self) -> None:
@@ -828,6 +837,8 @@ class SpeculationPolicy:
             raise ValueError(f"max_batch={self.max_batch}: an engine runs at least one request per step")
         if not 0.0 <= self.explore_budget <= 1.0:
             raise ValueError(f"explore_budget={self.explore_budget}: a share of engine time in [0, 1]")
+        if not self.probe_cheaper_by >= 1.0:
+            raise ValueError(f"probe_cheaper_by={self.probe_cheaper_by}: a probe waits only for a cheaper batch (>= 1)")
         if self.acceptance is None:
             self.acceptance = AcceptanceEstimate(self.k_max)
         if self.cost is None:
@@ -932,8 +943,10 @@ class SpeculationPolicy:
         key, (_, rival, seconds) = self._memo   # type: ignore[misc]
         fit = self.cost._fit(batch)
         gate = self._exploration_gate(rival, self.steps)
-        # a due exploration that did not start was refused by _two_steps_affordable, which memoized its regret
-        regret = self._regret_memo[1] if gate else 0.0   # type: ignore[index]
+        # a due exploration that did not start was refused by _two_steps_affordable, which memoized its regret,
+        # or is a probe waiting for a smaller batch (_cheaper_at_a_smaller_batch): at this batch, only its deadline
+        regret = (math.inf if gate == 2 and self._probe_deferred
+                  else self._regret_memo[1] if gate else 0.0)   # type: ignore[index]
         settled = k == 0 and self._settled is not None and self._settled[:2] == (key[1:], True)
         return _Hold(batch, bucket(batch), k, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
                      self.acceptance.version, self._settle_version, gate, regret,
@@ -956,7 +969,8 @@ class SpeculationPolicy:
         steps, spent = self.steps + 1, self._spent + seconds
         gate = self._exploration_gate(hold.rival, steps)
         if gate and (not same or gate != hold.gate
-                     or hold.regret <= self.explore_budget * (spent - self._spent_at_probe)):
+                     or hold.regret <= self.explore_budget * (spent - self._spent_at_probe)
+                     or (math.isinf(hold.regret) and steps >= self._probe_deadline)):
             return False    # an exploration may start here (its regret depends on the batch): the full choice decides
         k = hold.k
         self.steps, self._spent = steps, spent
@@ -1086,7 +1100,11 @@ class SpeculationPolicy:
         k = self._next_probe(best, self._probe + 1)
         # two steps, the second steady (timed): a probe measures the cost of its k as well as (deeper) the
         # next position's acceptance, so best_k's margin for switching to it shrinks as evidence accumulates
+        self._probe_deferred = False
         if not self._two_steps_affordable(k, best, batch):
+            return best
+        if self._cheaper_at_a_smaller_batch(k, best, batch):
+            self._probe_deferred = True
             return best
         self._probe += 1
         self._spent_at_probe = self._spent
@@ -1111,6 +1129,34 @@ class SpeculationPolicy:
                 extra += self.settle_seconds
             self._regret_memo = (key, extra)
         return self._regret_memo[1] <= self.explore_budget * (self._spent - self._spent_at_probe)
+
+    @property
+    def _probe_deadline(self) -> int:
+        """The step by which a due probe runs even at a batch where it costs more: one more probe interval
+        after it fell due, so a probe waits at most as long again as the interval before it."""
+        return self._next_probe_at + self._interval
+
+    def _cheaper_at_a_smaller_batch(self, k: int, best: int, batch: int) -> bool:
+        """Should a probe from k = 0, due and affordable here, wait for a smaller batch? Yes where its predicted
+        regret here (_two_steps_affordable's) is more than `probe_cheaper_by` times its regret at the smallest
+        batch size the engine has timed at every k (the lower end of the smallest covered bucket), for at
+        most one probe interval (_probe_deadline). A probe from k = 0 learns the next position's acceptance,
+        the same at any batch, and its k's cost here; where that k costs several times more here than
+        there (a full batch on CPU: a draft step about doubles it), the cost it would time is the one least
+        likely to pay, and every rollout's tail passes through the small batches where it is cheap. Not
+        where the engine drafts here (best > 0: this batch's costs are the ones that decide), and not past
+        the deadline, so the costs at a large batch are still timed now and then."""
+        if best or not math.isfinite(self.probe_cheaper_by) or self.steps >= self._probe_deadline:
+            return False
+        covered = self.cost.covered_buckets()
+        if not covered or covered[0] >= bucket(batch):
+            return False
+        small = 1 << (covered[0] - 1)
+        key = (small, k, self.acceptance, self.acceptance.version, self.cost.state(small), self._settle_version)
+        if self._small_regret_memo is None or self._small_regret_memo[0] != key:
+            extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, small, k, 0) + self.settle_seconds
+            self._small_regret_memo = (key, extra)
+        return self._regret_memo[1] > self.probe_cheaper_by * self._small_regret_memo[1]   # type: ignore[index]
 
     def _next_probe(self, best: int, probe: int) -> int:
         """In turn: a neighbour of the best k, shallower then deeper, then k = 0 (the ones that exist and

@@ -438,7 +438,8 @@ def test_a_fit_that_calls_deeper_steps_cheaper_does_not_buy_useless_drafts():
 
 
 def test_policy_calibrates_then_exploits_and_probes():
-    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=1.0)
+    # at one batch size throughout: no smaller batch for a probe to wait for (that is tested below)
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=1.0, probe_cheaper_by=math.inf)
     first = [pol.choose(4) for _ in range(6)]
     assert first == [2, 2, 1, 1, 0, 0]     # each k twice: the second step at a k is steady (timed)
     assert not pol.timing_valid            # the first cycle pays one-off costs: not timed
@@ -520,6 +521,53 @@ def test_probes_wait_for_their_exploration_budget():
     # a probe (k = 1, two steps of 0.100 s) emits 1.99 tokens per step, which k = 0 gives in 0.0199 s:
     # 2 x 0.0801 s of regret, so 2% of the time allows one per 801 steps
     assert probed == [6 + 801, 6 + 802], probed      # from the 801st step chosen by the model
+
+
+def test_a_probe_from_k0_waits_for_a_batch_where_it_costs_less_for_at_most_one_interval():
+    # k = 1 costs 0.2 + 0.05 ms per request more than k = 0 (0.2 + 0.1 ms per token): at a useless head a
+    # probe's regret is 2 x 0.25 ms at one request and 2 x 1.8 ms at 32
+    def policy():
+        pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=1.0)
+        [pol.choose(32) for _ in range(6)]
+        pol.cost = _cost(0.0002, 0.0001, 0.0002, 0.00005, 0.0002, 0.00005)
+        pol.acceptance.observe([2] * 50, [0] * 50)
+        return pol
+
+    pol = policy()
+    first = [pol.choose(32) for _ in range(11)]   # the probe falls due at step 17
+    assert first == [0] * 11 and pol._probe_deferred and pol._hold is not None
+    assert [pol.choose(1) for _ in range(3)] == [1, 1, 0]   # the first steady step at one request runs it
+    # at one batch size only, the due probe runs one interval (10 steps) late; the interval then doubles
+    pol = policy()
+    later = [pol.choose(32) for _ in range(80)]
+    assert [i for i, k in enumerate(later, start=7) if k] == [27, 28, 67, 68], later
+    # and never from a k > 0 (the engine drafts here: this batch's own costs decide)
+    pol = policy()
+    [pol.choose(32) for _ in range(11)]
+    assert pol._cheaper_at_a_smaller_batch(1, 0, 32) and not pol._cheaper_at_a_smaller_batch(1, 2, 32)
+    with pytest.raises(ValueError, match="probe_cheaper_by"):
+        SpeculationPolicy(k_max=2, probe_cheaper_by=0.5)
+
+
+def test_probes_in_rl_rollouts_run_in_the_tail_and_cost_less_there():
+    """RL rollouts shaped like the tiny default's (a full batch of 64 for 30 steps, then a tail through every
+    smaller bucket), with a head accepted at 0.45 / 0.3 / 0.2 (k = 0 is the fastest everywhere): the probes
+    that ran at 64 requests, where a draft step about doubles the step, wait for the tail, and exploring
+    costs less of the engine's time."""
+    alphas = [0.45, 0.3, 0.2]
+    probes, regret = {}, {}
+    for cheaper in (math.inf, 2.0):
+        at_64, tail, lost = 0, 0, 0.0
+        for seed in range(4):
+            pol = SpeculationPolicy(k_max=3, probe_cheaper_by=cheaper)
+            late = [s for s in _rl_rollouts(pol, random.Random(seed), alphas, 60, _tiny_default_step) if s[0] >= 10]
+            at_64 += sum(1 for s in late if s[4] and s[1] == 64)
+            tail += sum(1 for s in late if s[4] and s[1] < 32)
+            lost += sum(_tiny_default_step(b, k) - expected_tokens(alphas, k) * _tiny_default_step(b, 0)
+                        for _, b, k, explored, _ in late if explored) / sum(_tiny_default_step(s[1], s[2]) for s in late)
+        probes[cheaper], regret[cheaper] = (at_64, tail), lost / 4
+    assert probes[math.inf][0] >= 4 and probes[2.0][0] == 0 and probes[2.0][1] >= probes[math.inf][1], probes
+    assert regret[2.0] < 0.92 * regret[math.inf], regret
 
 
 def test_a_probe_waiting_for_its_budget_computes_its_regret_again_only_when_its_inputs_change(monkeypatch):
@@ -866,19 +914,19 @@ def test_a_verified_step_is_credited_what_its_accepted_drafts_saved_at_the_fitte
 def _rl_rollouts(pol: SpeculationPolicy, rng: random.Random, alphas: list[float], rollouts: int, seconds):
     """The engine steps of RL rollouts as the tiny default runs them: requests arriving (prompt steps, not
     steady) at batch 1 then 64, 30 decode steps at 64, then a tail passing through every smaller bucket in
-    one to three steps each. Returns (rollout, batch, k, explored) per step."""
+    one to three steps each. Returns (rollout, batch, k, explored, a probe started) per step."""
     shape = [(1, False)] + [(64, False)] * 3 + [(64, True)] * 30 + [
         (b, True) for b in (40, 32, 20, 16, 12, 8, 6, 4, 3, 2, 2, 1, 1, 1)]
     out, prev = [], -1
     for r in range(rollouts):
         for batch, steady in shape:
-            explored = pol.explored_steps
+            explored, probes = pol.explored_steps, pol._probe
             k = pol.choose(batch, steady)
             if k:
                 pol.acceptance.observe([k] * batch, _accepted(rng, alphas, k, batch))
             if steady and k == prev and pol.timing_valid:
                 pol.cost.observe(batch * (1 + k), batch, k, seconds(batch, k) * math.exp(rng.gauss(0.0, 0.1)))
-            out.append((r, batch, k, pol.explored_steps > explored))
+            out.append((r, batch, k, pol.explored_steps > explored, pol._probe > probes))
             prev = k
     return out
 
@@ -986,7 +1034,7 @@ def _choice_computed_per_batch(pol: SpeculationPolicy, batch: int) -> tuple[int,
     return best, plausible_rival(alphas, pol.cost, batch, pol.k_max, best, rates), pol.cost.step_seconds(batch, best)
 
 
-@pytest.mark.parametrize(("alphas", "at_least"), [([0.0, 0.0, 0.0], 200), ([0.75, 0.6, 0.5], 40),
+@pytest.mark.parametrize(("alphas", "at_least"), [([0.0, 0.0, 0.0], 200), ([0.75, 0.6, 0.5], 15),
                                                   ([0.9, 0.85, 0.8], 0), ([0.99, 0.99, 0.99], 0)])
 def test_a_choice_settled_across_its_bucket_is_the_one_each_batch_size_would_get(alphas, at_least):
     """Where not drafting is settled across a bucket (settled_across), _model_choice answers a new batch size
