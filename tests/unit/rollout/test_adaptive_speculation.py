@@ -524,8 +524,9 @@ def test_probes_wait_for_their_exploration_budget():
 
 
 def test_a_probe_from_k0_waits_for_a_batch_where_it_costs_less_for_at_most_one_interval():
-    # k = 1 costs 0.2 + 0.05 ms per request more than k = 0 (0.2 + 0.1 ms per token): at a useless head a
-    # probe's regret is 2 x 0.25 ms at one request and 2 x 1.8 ms at 32
+    # a step at k = 1 costs 0.2 ms + 0.15 ms per request more than at k = 0 (a second token verified per
+    # request at 0.1 ms, and the draft pass): with a useless head a probe's regret is 2 x 0.35 ms at one
+    # request and 2 x 5 ms at 32
     def policy():
         pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=1.0)
         [pol.choose(32) for _ in range(6)]
