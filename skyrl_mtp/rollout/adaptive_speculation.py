@@ -1124,11 +1124,14 @@ class SpeculationPolicy:
         # a probe waiting for its budget asks every step; its regret changes only with _model_choice's inputs
         key = (batch, k, best, self.acceptance, self.acceptance.version, self.cost.state(batch), self._settle_version)
         if self._regret_memo is None or self._regret_memo[0] != key:
-            extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
-            if best == 0:
-                extra += self.settle_seconds
-            self._regret_memo = (key, extra)
+            self._regret_memo = (key, self._excursion_regret(batch, k, best))
         return self._regret_memo[1] <= self.explore_budget * (self._spent - self._spent_at_probe)
+
+    def _excursion_regret(self, batch: int, k: int, best: int) -> float:
+        """What two steps at k instead of best are predicted to cost (_two_steps_affordable), with the settling
+        after them when they leave k = 0."""
+        extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, batch, k, best)
+        return extra + self.settle_seconds if best == 0 else extra
 
     @property
     def _probe_deadline(self) -> int:
@@ -1154,8 +1157,7 @@ class SpeculationPolicy:
         small = 1 << (covered[0] - 1)
         key = (small, k, self.acceptance, self.acceptance.version, self.cost.state(small), self._settle_version)
         if self._small_regret_memo is None or self._small_regret_memo[0] != key:
-            extra = 2 * regret_seconds(self.acceptance.rates(), self.cost, small, k, 0) + self.settle_seconds
-            self._small_regret_memo = (key, extra)
+            self._small_regret_memo = (key, self._excursion_regret(small, k, 0))
         return self._regret_memo[1] > self.probe_cheaper_by * self._small_regret_memo[1]   # type: ignore[index]
 
     def _next_probe(self, best: int, probe: int) -> int:
