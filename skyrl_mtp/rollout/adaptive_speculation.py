@@ -202,13 +202,14 @@ class OnlineLinearFit:
             xty[i] *= scale
         for age, (x, y) in enumerate(reversed(pending)):   # the newest sample first, weight decay^age
             w = decay ** age
-            for i in range(dim):
-                if x[i]:   # a step's features are mostly zeros (no drafting: 4 of 6)
-                    wx = w * x[i]
-                    row = xtx[i]
-                    for j in range(dim):
-                        row[j] += wx * x[j]
-                    xty[i] += wx * y
+            # a step's features are mostly zeros (no drafting: 4 of 6), which add nothing to any entry
+            nz = [(i, v) for i, v in enumerate(x) if v]
+            for i, xi in nz:
+                wx = w * xi
+                row = xtx[i]
+                for j, xj in nz:
+                    row[j] += wx * xj
+                xty[i] += wx * y
         pending.clear()
 
     def _solution(self) -> _Solution:
@@ -445,8 +446,8 @@ class CostModel:
     stall_ratio: float = 1.5
     stall_min_samples: float = 1.5
     weight_at_k: dict[int, list[float]] = field(default_factory=dict)   # per bucket: its fit's decayed samples per k
-    _tables: dict[tuple, _CostTable] = field(default_factory=dict, repr=False)
-    _line_tables: dict[tuple, LineTable] = field(default_factory=dict, repr=False)
+    # per fit (the one over all batches and each bucket's): what its latest solve predicts (_reading)
+    _readings: dict[OnlineLinearFit, _FitReading] = field(default_factory=dict, repr=False)
     _rows: LineRows | None = field(default=None, repr=False)
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
@@ -496,29 +497,29 @@ class CostModel:
         """Every prediction the policy reads for this batch size, read off the fit's LineTable (built once per
         solve) and kept until the fit is solved again: the policy asks every step (with the acceptance moving
         each drafting step), and a rollout's draining tail meets a new batch size every step or two."""
-        fit = self._fit(batch)
-        key = (id(fit), fit.solves(), batch)
-        table = self._tables.get(key)
+        return self.table_in_state(self.state(batch), batch)
+
+    def table_in_state(self, state: tuple[OnlineLinearFit, int], batch: int) -> _CostTable:
+        """table(batch), given the batch's state() (a caller that holds it saves looking the fit up again)."""
+        reading = self._reading(*state)
+        table = reading.tables.get(batch)
         if table is None:
-            if len(self._tables) > 64:
-                self._tables.clear()
-            table = self._tables[key] = self._compute_table(self._lines(fit, key[1]), batch)
+            table = reading.tables[batch] = self._compute_table(reading.lines, batch)
         return table
 
-    def _lines(self, fit: OnlineLinearFit, solves: int) -> LineTable:
-        """The fit's predictions per k (and a zero row) as functions of the batch size, for this solve."""
-        key = (id(fit), solves)
-        lines = self._line_tables.get(key)
-        if lines is None:
-            if len(self._line_tables) > 16:
-                self._line_tables.clear()
+    def _reading(self, fit: OnlineLinearFit, solves: int) -> _FitReading:
+        """The fit's LineTable and the tables read off it so far, kept until the fit is solved again (`solves`
+        is its current solve count: state()). One per fit: a rollout's tail reads every bucket's fit in turn,
+        and each keeps what it predicts until its own next solve."""
+        reading = self._readings.get(fit)
+        if reading is None or reading.solves != solves:
             if self._rows is None:   # each k's step features at batch b are p_k + b q_k, and a zero row
                 ks = range(self.k_max + 1)
                 ps = [step_features(0, 0, k) for k in ks]
                 qs = [[f1 - f0 for f1, f0 in zip(step_features(1 + k, 1, k), p)] for k, p in zip(ks, ps)]
                 self._rows = LineRows(ps + [[0.0] * fit.dim], qs + [[0.0] * fit.dim])
-            lines = self._line_tables[key] = fit.line_table(self._rows)
-        return lines
+            reading = self._readings[fit] = _FitReading(solves, fit.line_table(self._rows), {})
+        return reading
 
     def _compute_table(self, lines: LineTable, batch: int) -> _CostTable:
         ks = range(self.k_max + 1)
@@ -541,8 +542,12 @@ class CostModel:
 
     def lines(self, batch: int) -> LineTable:
         """The LineTable line_seconds reads for this batch (the same until the batch's fit is solved again)."""
-        fit = self._fit(batch)
-        return self._lines(fit, fit.solves())
+        return self.lines_in_state(self.state(batch))
+
+    def lines_in_state(self, state: tuple[OnlineLinearFit, int]) -> LineTable:
+        """lines(batch), given the batch's state(): the fit's predictions per k (and a zero row) as functions
+        of the batch size, for its current solve."""
+        return self._reading(*state).lines
 
     def predict(self, num_tokens: int, batch: int, k: int) -> float:
         """The fit's time for one step of these features (the bucket's fit once it is timed at every k)."""
@@ -601,6 +606,16 @@ class _Hold:
 
 
 @dataclass(frozen=True)
+class _FitReading:
+    """What one solve of a fit predicts (CostModel._reading): its LineTable, and the tables at the batch sizes
+    read so far."""
+
+    solves: int
+    lines: LineTable
+    tables: dict[int, _CostTable]
+
+
+@dataclass(frozen=True)
 class _CostTable:
     """A CostModel's predictions at one batch size, per k (CostModel.table)."""
 
@@ -636,7 +651,11 @@ def best_k(alphas: list[float], cost: CostModel, batch: int, k_max: int,
     A fit resting on a few timed steps, one of them slow, or one that extrapolates to a batch it has not
     timed, is not enough evidence to switch. As timings of both settings accumulate the margin shrinks, so a
     real gain is still taken."""
-    table = cost.table(batch)
+    return best_k_in_table(alphas, cost.table(batch), k_max, incumbent)
+
+
+def best_k_in_table(alphas: list[float], table: _CostTable, k_max: int, incumbent: int = 0) -> tuple[int, list[float]]:
+    """best_k at the batch size `table` holds the predictions of (CostModel.table)."""
     costs, doubts = table.monotone, table.difference_sd
     tokens = [expected_tokens(alphas, k) for k in range(k_max + 1)]
     rates = [tokens[k] / costs[k] for k in range(k_max + 1)]
@@ -655,8 +674,14 @@ def plausible_rival(alphas: list[float], cost: CostModel, batch: int, k_max: int
     """A k that may beat `best` by more than the fit can rule out: its tokens per second with its cost one
     standard error (of its difference to best) in its favour exceed best's. The one with the highest such
     rate, or -1 when there is none."""
+    return plausible_rival_in_table(alphas, cost.table(batch), k_max, best, rates)
+
+
+def plausible_rival_in_table(alphas: list[float], table: _CostTable, k_max: int, best: int,
+                             rates: list[float]) -> int:
+    """plausible_rival at the batch size `table` holds the predictions of (CostModel.table)."""
     top, rival = rates[best], -1
-    doubts = cost.table(batch).difference_sd
+    doubts = table.difference_sd
     for k in range(k_max + 1):
         if k == best:
             continue
@@ -856,7 +881,7 @@ class SpeculationPolicy:
     def timing_valid(self) -> bool:
         """False during the first calibration cycle: the first step at each depth pays one-off costs
         (kernel selection, buffer allocation) that would bias the cost fit for a long time."""
-        return self.steps > len(self._cycle())
+        return self.steps > 2 * (self.k_max + 1)   # len(self._cycle()): each k twice
 
     @property
     def warmup_steps(self) -> int:
@@ -925,8 +950,9 @@ class SpeculationPolicy:
             self.model_histogram[chosen] += 1
         self.explored_steps += int(queued or k != chosen)
         self._track_settling(k, queued or k != chosen)
-        if not queued and k == chosen and steady and self._interval and self.cost.covers(batch):
-            self._hold = self._hold_after(batch, k)
+        # only at k = 0: the step after one that drafts verifies its drafts, new acceptance that ends any hold
+        if not queued and k == chosen == 0 and steady and self._interval and self.cost.covers(batch):
+            self._hold = self._hold_after(batch)
         return k
 
     def _exploration_gate(self, rival: int, steps: int) -> int:
@@ -938,19 +964,20 @@ class SpeculationPolicy:
             return 2
         return 0
 
-    def _hold_after(self, batch: int, k: int) -> _Hold:
-        """Records a full choice that started no exploration at a steady step of a bucket timed at every k."""
+    def _hold_after(self, batch: int) -> _Hold:
+        """Records a full choice of k = 0 that started no exploration at a steady step of a bucket timed at every
+        k."""
         key, (_, rival, seconds) = self._memo   # type: ignore[misc]
-        fit = self.cost._fit(batch)
+        fit = key[3][0]   # _model_choice's key: (batch, bucket, incumbent, cost.state(batch), ...)
         gate = self._exploration_gate(rival, self.steps)
         # a due exploration that did not start was refused by _two_steps_affordable, which memoized its regret,
         # or is a probe waiting for a smaller batch (_cheaper_at_a_smaller_batch): at this batch, only its deadline
         regret = (math.inf if gate == 2 and self._probe_deferred
                   else self._regret_memo[1] if gate else 0.0)   # type: ignore[index]
-        settled = k == 0 and self._settled is not None and self._settled[:2] == (key[1:], True)
-        return _Hold(batch, bucket(batch), k, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
+        settled = self._settled is not None and self._settled[:2] == (key[1:], True)
+        return _Hold(batch, bucket(batch), 0, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
                      self.acceptance.version, self._settle_version, gate, regret,
-                     self._settled[2] if settled else 0, self.cost.lines(batch) if settled else None)
+                     self._settled[2] if settled else 0, self.cost.lines_in_state(key[3]) if settled else None)
 
     def _held(self, hold: _Hold, batch: int) -> bool:
         """choose's fast path. The engine's plain steps mostly repeat the last one's batch, or stay in a bucket
@@ -1015,20 +1042,23 @@ class SpeculationPolicy:
         tail brings a new batch size every step or two; where not drafting provably holds across the bucket
         (settled_across: k = 0 and no rival at every size in it), it is not computed again for each size."""
         b = bucket(batch)
-        span = (b, self._incumbent.get(b, 0), self.cost.state(batch), self.acceptance, self.acceptance.version)
+        cost = self.cost
+        state = cost.state(batch)
+        span = (b, self._incumbent.get(b, 0), state, self.acceptance, self.acceptance.version)
         key = (batch, *span)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1][0]
         if self._settled is not None and self._settled[:2] == (span, True) and batch <= self._settled[2]:
-            self._memo = (key, (0, -1, self.cost.line_seconds(batch, 0)))
+            self._memo = (key, (0, -1, cost.line_seconds(batch, 0)))
             return 0
         alphas = self.acceptance.rates()
-        best, rates = best_k(alphas, self.cost, batch, self.k_max, span[1])
-        covered = self.cost.covers(batch)
+        table = cost.table_in_state(state, batch)
+        best, rates = best_k_in_table(alphas, table, self.k_max, span[1])
+        covered = state[0] is not cost.global_fit   # (CostModel._fit: the bucket's own fit once it covers)
         if best and not covered:
             best = 0   # drafting is adopted on this batch size's own timings only, never extrapolated
-        rival = plausible_rival(alphas, self.cost, batch, self.k_max, best, rates)
-        self._memo = (key, (best, rival, self.cost.step_seconds(batch, best)))
+        rival = plausible_rival_in_table(alphas, table, self.k_max, best, rates)
+        self._memo = (key, (best, rival, table.seconds[best]))
         # judged once per bucket and inputs, and only where the bucket does not draft: a drafting step changes
         # the acceptance (so the inputs) every step, where the judgement would add work and save none
         if best == 0 and (self._settled is None or self._settled[0] != span):
@@ -1182,7 +1212,7 @@ class SpeculationPolicy:
             return 0.0
         batch = max(int(batch), len(num_drafts), 1)
         k = min(int(max(num_drafts)), self.k_max)
-        saved = step_savings(self.cost.monotone_step_seconds(batch), k, sum(num_accepted) / batch)
+        saved = step_savings(self.cost.table(batch).monotone, k, sum(num_accepted) / batch)
         self.seconds_saved += saved
         return saved
 

@@ -237,21 +237,30 @@ def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
 
 def test_the_cost_tables_equal_the_fits_own_answers_at_each_batch():
     """The cost model's per-batch table (built from the fit's LineTable) holds what the fit predicts for
-    step_features at that batch: the features are affine in the batch size, which the closed form relies on."""
+    step_features at that batch: the features are affine in the batch size, which the closed form relies on.
+    Read while the fits keep being timed and solved again (each fit keeps the tables of its latest solve),
+    and at the end."""
     rng = random.Random(3)
     cost = CostModel(3)
-    for _ in range(400):
+
+    def check(batches):
+        for batch in batches:
+            fit = cost._fit(batch)
+            xs = [step_features(batch * (1 + k), batch, k) for k in range(4)]
+            for k in range(4):
+                assert cost.step_seconds(batch, k) == pytest.approx(max(fit.predict(xs[k]), 1e-6), rel=1e-9)
+                assert cost.step_sd(batch, k) == pytest.approx(fit.difference_sd(xs[k], [0.0] * 6), rel=1e-9)
+                for j in range(4):
+                    assert cost.difference_sd(batch, k, j) == pytest.approx(fit.difference_sd(xs[k], xs[j]),
+                                                                            rel=1e-9)
+
+    for i in range(400):
         batch, k = rng.randint(1, 127), rng.randint(0, 3)
         cost.observe(batch * (1 + k), batch, k, 0.002 + 0.0001 * batch * (1 + k) + 0.003 * (k > 0)
                      + 0.0005 * rng.random())
-    for batch in (1, 2, 5, 16, 40, 64, 100, 127):
-        fit = cost._fit(batch)
-        xs = [step_features(batch * (1 + k), batch, k) for k in range(4)]
-        for k in range(4):
-            assert cost.step_seconds(batch, k) == pytest.approx(max(fit.predict(xs[k]), 1e-6), rel=1e-9)
-            assert cost.step_sd(batch, k) == pytest.approx(fit.difference_sd(xs[k], [0.0] * 6), rel=1e-9)
-            for j in range(4):
-                assert cost.difference_sd(batch, k, j) == pytest.approx(fit.difference_sd(xs[k], xs[j]), rel=1e-9)
+        if i % 7 == 0:
+            check((batch, rng.randint(1, 127)))
+    check((1, 2, 5, 16, 40, 64, 100, 127))
 
 
 def test_one_slow_step_in_a_thin_fit_does_not_make_drafts_look_free():
