@@ -109,3 +109,16 @@ class TimedAdaptiveUnmemoized(TimedAdaptive):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         kcc.replay_boundaries = getattr(kcc.replay_boundaries, "__wrapped__", kcc.replay_boundaries)
+
+
+class TimedAdaptiveNoPolicy(TimedAdaptive):
+    """Auto k's engine and scheduler with the speculation policy's code taken out: k = 0 on every step (the
+    policy's choice is not asked) and no step timing for its cost model. The rest of the adaptive scheduler
+    (its schedule() around vLLM's, the post-step guard, the memo) and the worker's hook run as shipped."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.speculation.choose = lambda batch, steady=True: 0
+
+    def _time_finished_step(self, now: float) -> None:
+        return None

@@ -1,4 +1,4 @@
-"""What the engine core costs per plain decode step and per prompt step: no spec, auto k, and auto k without the memo.
+"""What the engine core costs per plain decode step and per prompt step: no spec, auto k, auto k without the memo or the policy.
 
 An auto-k engine that has stopped drafting should cost what a no-spec engine costs. Its steps then run
 the same model work (rollout/adaptive_speculation.py runs them as vLLM's no-spec steps), but the engine
@@ -18,7 +18,10 @@ part on the tiny default's engine, per engine step, as thread CPU time in the en
 
 Set-ups: `no_spec` (trainer.mtp.enabled=false), `auto` (trainer.mtp.num_speculative_tokens=auto, as
 shipped), `auto_unmemoized` (the same, with vLLM's replay boundaries computed per request and step, as
-vLLM 0.32 does once a drafter is configured; rollout/kv_replay_cache.py memoizes them). Each repeat runs
+vLLM 0.32 does once a drafter is configured; rollout/kv_replay_cache.py memoizes them), `auto_no_policy`
+(auto's engine and scheduler with the speculation policy's code taken out: k = 0 on every step, no step
+timing for its cost model; against `auto`, what the policy's own work costs a step, and against `no_spec`,
+what an auto engine costs without it). Each repeat runs
 each set-up's engine in its own process, one after another in rotated order, for `--rounds` rollouts of
 `--batch` random prompts (the first rollout is a warm-up and not counted). Plain decode steps count with
 at least half the batch running: no prompt tokens, no drafts verified or proposed. Thread CPU time leaves
@@ -49,6 +52,7 @@ SETUPS = {
     "no_spec": (["trainer.mtp.enabled=false"], "_schedule_timers.TimedScheduler"),
     "auto": (["trainer.mtp.num_speculative_tokens=auto"], "_schedule_timers.TimedAdaptive"),
     "auto_unmemoized": (["trainer.mtp.num_speculative_tokens=auto"], "_schedule_timers.TimedAdaptiveUnmemoized"),
+    "auto_no_policy": (["trainer.mtp.num_speculative_tokens=auto"], "_schedule_timers.TimedAdaptiveNoPolicy"),
 }
 QUICK = dict(rounds=2, batch=8, max_tokens=24, repeats=1)
 PARTS = ("vllm", "total", "step", "prompt_token")

@@ -111,13 +111,14 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
             assert 0 < ms["_sample"] < ms["sample_tokens"] and ms["_bookkeeping_sync"] < ms["sample_tokens"], ms
             # the oracle's engines draft (auto too: its drafts all land), no spec never
             assert (ms["propose_draft_token_ids"] == 0) == (row["k"] == 0), ms
-    if script == "engine_schedule_time.py":   # timed in each engine core; only the shipped auto engine memoizes
+    if script == "engine_schedule_time.py":   # timed in each engine core; the auto engines but one memoize
         rows = {r["setup"]: r for r in result["rows"]}
-        assert set(rows) == {"no_spec", "auto", "auto_unmemoized"}, rows
+        assert set(rows) == {"no_spec", "auto", "auto_unmemoized", "auto_no_policy"}, rows
         for r in rows.values():
             # schedule() is part of the step it schedules; a prompt step runs a forward over its prompts too
             assert r["steps"] > 0 and 0 < r["vllm_us"] <= r["total_us"] < r["step_us"], r
             assert r["prompt_steps"] > 0 and r["prompt_tokens_per_step"] > 1 and r["prompt_token_us"] > 0, r
         assert rows["no_spec"]["vllm_ratio_over_no_spec"] == 1.0 and rows["no_spec"]["memo_hits"] is None, rows
         assert rows["auto"]["memo_hits"] > 0 and rows["auto_unmemoized"]["memo_hits"] is None, rows
+        assert rows["auto_no_policy"]["memo_hits"] > 0, rows
     print(f"{script} --quick: {seconds:.1f}s")
