@@ -586,13 +586,12 @@ class CostModel:
 
 @dataclass(frozen=True)
 class _Hold:
-    """A full choice of SpeculationPolicy.choose and what it rested on (SpeculationPolicy._held)."""
+    """A full choice of k = 0 by SpeculationPolicy.choose and what it rested on (SpeculationPolicy._held)."""
 
     batch: int
     bucket: int
-    k: int
     rival: int
-    seconds: float          # the chosen k's predicted step time (_model_choice's)
+    seconds: float          # k = 0's predicted step time (_model_choice's)
     cost: CostModel
     fit: OnlineLinearFit    # the fit the choice read, and its solve at the time
     solution: _Solution | None
@@ -908,7 +907,7 @@ class SpeculationPolicy:
         prompt tokens), so it can be timed and an exploration may start or go on there."""
         hold = self._hold
         if hold is not None and steady and self._held(hold, batch):
-            return hold.k
+            return 0
         self._hold = None
         self.steps += 1
         b = bucket(batch)
@@ -975,7 +974,7 @@ class SpeculationPolicy:
         regret = (math.inf if gate == 2 and self._probe_deferred
                   else self._regret_memo[1] if gate else 0.0)   # type: ignore[index]
         settled = self._settled is not None and self._settled[:2] == (key[1:], True)
-        return _Hold(batch, bucket(batch), 0, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
+        return _Hold(batch, bucket(batch), rival, seconds, self.cost, fit, fit._solved, self.acceptance,
                      self.acceptance.version, self._settle_version, gate, regret,
                      self._settled[2] if settled else 0, self.cost.lines_in_state(key[3]) if settled else None)
 
@@ -999,13 +998,11 @@ class SpeculationPolicy:
                      or hold.regret <= self.explore_budget * (spent - self._spent_at_probe)
                      or (math.isinf(hold.regret) and steps >= self._probe_deadline)):
             return False    # an exploration may start here (its regret depends on the batch): the full choice decides
-        k = hold.k
-        self.steps, self._spent = steps, spent
-        self.chosen_sum += k
+        self.steps, self._spent = steps, spent   # the held choice is k = 0 (_hold_after): chosen_sum stays
         self.chosen_count += 1
-        self.histogram[k] += 1
-        self.model_histogram[k] += 1
-        self._track_settling(k, False)
+        self.histogram[0] += 1
+        self.model_histogram[0] += 1
+        self._track_settling(0, False)
         self.held_steps += 1
         return True
 
