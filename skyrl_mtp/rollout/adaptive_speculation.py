@@ -449,6 +449,9 @@ class CostModel:
     # per fit (the one over all batches and each bucket's): what its latest solve predicts (_reading)
     _readings: dict[OnlineLinearFit, _FitReading] = field(default_factory=dict, repr=False)
     _rows: LineRows | None = field(default=None, repr=False)
+    # counts the timings that may change a prediction not yet read: a k timed for the first time in its bucket,
+    # or a fit's solve given up for a new one (OnlineLinearFit.add)
+    version: int = 0
 
     def observe(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
         """A steady step: it verified drafts proposed at the same k it now drafts (the previous step's k
@@ -471,12 +474,16 @@ class CostModel:
         timed, seen = self.weight_at_k[b], self.seen_k[b]
         if len(seen) == self.k_max + 1 and timed[k] >= self.stall_min_samples:   # a stall is not what the step costs
             seconds = min(seconds, self.stall_ratio * max(fit.predict(x), 1e-6))
+        solved = self.global_fit._solved, fit._solved
         self.global_fit.add(x, seconds)
         fit.add(x, seconds)
         decay = fit.decay
         for j in range(len(timed)):
             timed[j] *= decay
         timed[k] += 1.0
+        if (k not in seen or (solved[0] is not None and self.global_fit._solved is None)
+                or (solved[1] is not None and fit._solved is None)):
+            self.version += 1
         seen.add(k)
 
     def covers(self, batch: int) -> bool:
@@ -589,7 +596,6 @@ class _Hold:
     """A full choice of k = 0 by SpeculationPolicy.choose and what it rested on (SpeculationPolicy._held)."""
 
     batch: int
-    bucket: int
     rival: int
     seconds: float          # k = 0's predicted step time (_model_choice's)
     cost: CostModel
@@ -602,6 +608,12 @@ class _Hold:
     regret: float           # where an exploration was due: the regret that kept it waiting (inf: a smaller batch)
     settled_top: int        # where k = 0 is settled across the bucket (_model_choice): its largest batch, else 0
     lines: LineTable | None   # and then the fit's lines, which give each batch size's step time
+    # a bucket not timed at every k (None: one that is): the cost model's version, and what its calibration
+    # check found (_calibration_regret; inf and True where it did not run: the bucket had its cycle, which only
+    # a full choice there changes) and whether that holds at every batch size of the bucket
+    cost_version: int | None = None
+    calibration: float = math.inf
+    calibration_anywhere: bool = True
 
 
 @dataclass(frozen=True)
@@ -766,10 +778,11 @@ class SpeculationPolicy:
 
     New weights (`on_new_weights`): the acceptance evidence is cut to `refresh_attempts` drafts per position.
 
-    Held steps (`_held`): most of an engine's plain steps repeat the last full choice's batch, or stay in a
-    bucket where not drafting is settled, with nothing new timed into the fit's solve, no new acceptance and
-    no exploration allowed to start; they get that choice's k and its bookkeeping without the full choice
-    (`held_steps` counts them).
+    Held steps (`_held`): most of an engine's plain steps repeat the batch of the last full choice in their
+    bucket, or stay in a bucket where not drafting is settled, with nothing new timed into the fit's solve, no
+    new acceptance and no exploration allowed to start; they get that choice's k and its bookkeeping without
+    the full choice (`held_steps` counts them). So do the prompt steps among them (no exploration starts
+    there), and the steps of a bucket the batch comes back to (each bucket keeps its own record).
 
     Savings (`credit_verified`): every verified step adds what its accepted drafts saved in engine time, by
     the fitted costs (the plain steps those tokens would have taken, less what drafting and verifying
@@ -846,7 +859,10 @@ class SpeculationPolicy:
     _back: int = -1                # steps at k = 0 since the last step that drafted (capped at settle_steps + 2)
     _settle_version: int = 0       # counts observe_settle's updates (settle_seconds changed)
     _regret_memo: tuple[tuple, float] | None = None   # _two_steps_affordable's inputs -> the excursion's regret
-    _hold: _Hold | None = None     # what the last full choice rested on, for choose's fast path (_held)
+    # per bucket: what the last full choice there rested on, for choose's fast path (_held); and the one the
+    # latest full choice recorded (None when it recorded none), the only one an exploration due may be held at
+    _holds: dict[int, _Hold] = field(default_factory=dict)
+    _hold: _Hold | None = None
     # a probe from k = 0 waits for a batch where it costs this many times less (_cheaper_at_a_smaller_batch);
     # math.inf: it never waits
     probe_cheaper_by: float = 2.0
@@ -905,20 +921,22 @@ class SpeculationPolicy:
     def choose(self, batch: int, steady: bool = True) -> int:
         """k for an engine step of `batch` requests; `steady`: the step schedules decode tokens only (no
         prompt tokens), so it can be timed and an exploration may start or go on there."""
-        hold = self._hold
-        if hold is not None and steady and self._held(hold, batch):
+        b = bucket(batch)
+        hold = self._holds.get(b)
+        if hold is not None and self._held(hold, batch, steady):
             return 0
         self._hold = None
         self.steps += 1
-        b = bucket(batch)
         if self.steps == 1:
             self._queue, self._queue_bucket = self._cycle() * self.warmup_cycles, 0
         if self._queue and self._queue_bucket and (b != self._queue_bucket or not steady):
             if self._queue_calibrates:   # a calibration cut short may run again later, within the budget
                 self._cycled.discard(self._queue_bucket)
             self._queue = []
-        if (steady and not self._queue and b not in self._cycled and not self.cost.covers(batch)
-                and self._calibration_due(batch)):
+        calibration = (math.inf, True)
+        if steady and not self._queue and b not in self._cycled and not self.cost.covers(batch):
+            calibration = self._calibration_regret(batch)
+        if calibration[0] <= self.explore_budget * (self._spent - self._spent_at_probe):
             self._cycled.add(b)
             self._queue, self._queue_bucket, self._queue_calibrates = self._calibration(batch), b, True
             self._spent_at_probe = self._spent
@@ -950,8 +968,10 @@ class SpeculationPolicy:
         self.explored_steps += int(queued or k != chosen)
         self._track_settling(k, queued or k != chosen)
         # only at k = 0: the step after one that drafts verifies its drafts, new acceptance that ends any hold
-        if not queued and k == chosen == 0 and steady and self._interval and self.cost.covers(batch):
-            self._hold = self._hold_after(batch)
+        if not queued and k == chosen == 0 and steady and self._interval:
+            self._hold = self._holds[b] = self._hold_after(batch, calibration)
+        else:
+            self._holds.pop(b, None)
         return k
 
     def _exploration_gate(self, rival: int, steps: int) -> int:
@@ -963,9 +983,10 @@ class SpeculationPolicy:
             return 2
         return 0
 
-    def _hold_after(self, batch: int) -> _Hold:
-        """Records a full choice of k = 0 that started no exploration at a steady step of a bucket timed at every
-        k."""
+    def _hold_after(self, batch: int, calibration: tuple[float, bool]) -> _Hold:
+        """Records a full choice of k = 0 that started no exploration at a steady step; in a bucket not timed at
+        every k, with what its calibration check found (`calibration`: _calibration_regret's answer, or (inf, True)
+        where the check did not run)."""
         key, (_, rival, seconds) = self._memo   # type: ignore[misc]
         fit = key[3][0]   # _model_choice's key: (batch, bucket, incumbent, cost.state(batch), ...)
         gate = self._exploration_gate(rival, self.steps)
@@ -974,27 +995,44 @@ class SpeculationPolicy:
         regret = (math.inf if gate == 2 and self._probe_deferred
                   else self._regret_memo[1] if gate else 0.0)   # type: ignore[index]
         settled = self._settled is not None and self._settled[:2] == (key[1:], True)
-        return _Hold(batch, bucket(batch), rival, seconds, self.cost, fit, fit._solved, self.acceptance,
+        timed = self.cost.covers(batch)
+        return _Hold(batch, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
                      self.acceptance.version, self._settle_version, gate, regret,
-                     self._settled[2] if settled else 0, self.cost.lines_in_state(key[3]) if settled else None)
+                     self._settled[2] if settled else 0, self.cost.lines_in_state(key[3]) if settled else None,
+                     None if timed else self.cost.version, *calibration)
 
-    def _held(self, hold: _Hold, batch: int) -> bool:
+    def _held(self, hold: _Hold, batch: int, steady: bool) -> bool:
         """choose's fast path. The engine's plain steps mostly repeat the last one's batch, or stay in a bucket
         where not drafting is settled (_model_choice), with nothing new timed into the fit's solve, no new
         acceptance and no exploration allowed to start; the full choice (its memo keys, the exploration checks)
         would then only say the same again. Where all of that holds, this does the step's bookkeeping exactly
-        as the full choice would and returns True; else it changes nothing and the full choice runs."""
+        as the full choice would and returns True; else it changes nothing and the full choice runs.
+
+        A step that takes prompt tokens (not `steady`) starts no exploration, so only the choice itself has to
+        hold there. A rollout's batch leaves a bucket and comes back (its tail, the next rollout), so each
+        bucket keeps the hold of its own last full choice; a due exploration is decided by the full choice
+        unless the hold is the latest full choice's, since full choices in other buckets since then may have
+        moved what it waits for (a deferred probe, the budget it waits on). In a bucket not timed at every k the
+        calibration check must also say the same: nothing it reads changed (the cost model's version) and its
+        regret still exceeds the budget, at the same batch (or one it does not depend on)."""
         same = batch == hold.batch
-        if ((not same and (batch > hold.settled_top or bucket(batch) != hold.bucket))
+        if ((not same and batch > hold.settled_top)
                 or self._queue or hold.fit._solved is not hold.solution or hold.cost is not self.cost
                 or hold.acceptance is not self.acceptance or self.acceptance.version != hold.acceptance_version
                 or self._settle_version != hold.settle_version):
             return False
+        if hold.cost_version is not None:   # a bucket not timed at every k: its calibration check must say the same
+            if hold.cost_version != self.cost.version:
+                return False
+            if steady and (
+                    not (same or hold.calibration_anywhere)
+                    or hold.calibration <= self.explore_budget * (self._spent - self._spent_at_probe)):
+                return False
         # another batch size of a settled bucket: k = 0, no rival, its time read off the same line (_model_choice)
         seconds = hold.seconds if same else hold.lines.prediction(0, float(batch))   # type: ignore[union-attr]
         steps, spent = self.steps + 1, self._spent + seconds
-        gate = self._exploration_gate(hold.rival, steps)
-        if gate and (not same or gate != hold.gate
+        gate = self._exploration_gate(hold.rival, steps) if steady else 0
+        if gate and (hold is not self._hold or not same or gate != hold.gate
                      or hold.regret <= self.explore_budget * (spent - self._spent_at_probe)
                      or (math.isinf(hold.regret) and steps >= self._probe_deadline)):
             return False    # an exploration may start here (its regret depends on the batch): the full choice decides
@@ -1065,9 +1103,11 @@ class SpeculationPolicy:
             self._settled = (span, holds, top)
         return best
 
-    def _calibration_due(self, batch: int) -> bool:
-        """Time this new bucket at every k now? Only if drafting may pay here (the live acceptance can gain
-        `min_gain` tokens per step, and the fit so far, taken one standard error in drafting's favour
+    def _calibration_regret(self, batch: int) -> tuple[float, bool]:
+        """Time this new bucket at every k now? The regret of its cycle (inf: not due whatever the budget), due
+        when within `explore_budget` of the engine time predicted since the last exploration, and whether that
+        answer holds at every batch size of the bucket. Due only if drafting may pay here (the live acceptance
+        can gain `min_gain` tokens per step, and the fit so far, taken one standard error in drafting's favour
         (_hopeful_costs), puts the best k > 0 within `calibrate_within` of k = 0) and the cycle fits the
         probes' exploration budget: its regret against k = 0 (what the bucket runs until it has been timed), at
         those costs, within `explore_budget` of the engine time predicted since the last exploration. Steps
@@ -1078,17 +1118,16 @@ class SpeculationPolicy:
         alphas = self.acceptance.rates()
         tokens = [expected_tokens(alphas, k) for k in range(self.k_max + 1)]
         if tokens[-1] < 1.0 + self.min_gain:
-            return False
+            return math.inf, True
         if not self.timing_valid:
-            return True
+            return 0.0, False
         hopeful = self._hopeful_costs(max(batch, 1))
         rates = [t / c for t, c in zip(tokens, hopeful)]
         if max(rates[1:]) < (1.0 - self.calibrate_within) * rates[0]:
-            return False
+            return math.inf, False
         # against k = 0, what a bucket not yet timed at every k runs (_model_choice)
         cycle = self._calibration(batch)
-        extra = sum(regret_from_costs(alphas, hopeful, k, 0) for k in cycle) + self.settle_seconds * any(cycle)
-        return extra <= self.explore_budget * (self._spent - self._spent_at_probe)
+        return sum(regret_from_costs(alphas, hopeful, k, 0) for k in cycle) + self.settle_seconds * any(cycle), False
 
     def _hopeful_costs(self, batch: int) -> list[float]:
         """Step time per k, taken one standard error (of its difference to k = 0) below the fit's prediction,

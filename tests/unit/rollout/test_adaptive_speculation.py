@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,6 +235,33 @@ def test_the_line_table_equals_the_one_at_a_time_answers_at_every_batch():
     assert full.line_table(line_rows).at(3.0)[1][0][5] == 0.0 < full.line_table(line_rows).at(2.0)[1][0][5]
     assert math.isinf(partial.line_table(line_rows).at(2.0)[1][3][2])
     assert not math.isinf(partial.line_table(line_rows).at(2.0)[1][0][2])
+
+
+def test_the_cost_models_version_moves_with_every_timing_that_may_change_an_unread_prediction():
+    """CostModel.version (what a fast-path record of a bucket not yet timed at every k checks) moves when a k is
+    timed for the first time in its bucket and when a fit gives up its solve for a new one, and not for a sample
+    that leaves every solve in place: a record kept across such a sample would otherwise answer from costs the
+    full choice no longer reads."""
+    cost = CostModel(k_max=2)
+    seen = []
+    for k in (0, 0, 1, 1, 2, 2):
+        before = cost.version
+        cost.observe(8 * (1 + k), 8, k, 0.004 + 0.002 * k)
+        seen.append(cost.version - before)
+    assert seen == [1, 0, 1, 0, 1, 0]
+    moved = 0
+    for i in range(200):
+        cost.table(8), cost.table(64)      # the buckets' fits and the one over all batches, read: solved
+        fits = [*cost.buckets.values(), cost.global_fit]
+        solutions = [f._solved for f in fits]
+        before = cost.version
+        batch = 64 if i % 2 else 8         # the fit over all batches takes both, the bucket's every other one
+        cost.observe(batch, batch, 0, 0.004 if batch == 8 else 0.009)
+        dropped = any(f._solved is not sol for f, sol in zip(fits, solutions))
+        assert (cost.version != before) == dropped, i
+        moved += dropped
+    assert 10 <= moved <= 100    # each fit is solved again every ~20 of its samples once it is steady
+
 
 
 def test_the_cost_tables_equal_the_fits_own_answers_at_each_batch():
@@ -1187,51 +1216,84 @@ def test_settling_slows_the_explorations_where_they_cost_more_than_their_steps(s
 
 # ---- choose's fast path ----------------------------------------------------------------------------
 
-def _lockstep(alphas: list[float], seed: int, rollouts: int) -> tuple[SpeculationPolicy, SpeculationPolicy]:
-    """Two policies fed the same engine, step by step: RL rollouts (a weight sync each, requests arriving,
-    a long stretch at a full batch, a tail draining through every bucket), timed as the scheduler times them
-    (settling steps to observe_settle, steady steps to the cost fit, noisy with a stall now and then). The
-    second runs its full choice at every step (its fast path's record is dropped before each)."""
-    fast, full = SpeculationPolicy(k_max=3, max_batch=64), SpeculationPolicy(k_max=3, max_batch=64)
+# an RL rollout as the engine meets it: requests arriving, a long stretch at a full batch, a tail draining
+# through every bucket
+ONE_WAVE = [(1, False), (40, False), (64, False)] + [(64, True)] * 40 + [(63, True)] * 5 + [(61, True)] * 3 + [
+    (b, True) for b in (58, 58, 50, 47, 47, 40, 36, 33, 33, 32, 29, 20, 18, 16, 12, 9, 8, 7, 6, 5, 4, 3, 2, 2, 1, 1)]
+# dynamic sampling's second round arriving while the first drains: prompt steps in the middle of a rollout, and a
+# batch that comes back to buckets it has left
+TWO_WAVES = ONE_WAVE[:60] + [(24, True)] * 6 + [(40, False), (56, False)] + [(56, True)] * 20 + [(60, False)] + [
+    (b, True) for b in (60, 60, 44, 44, 30, 30, 30, 14, 14, 6, 6, 6, 2, 1)]
+
+
+def _random_rollout(rng: random.Random) -> list[tuple[int, bool]]:
+    """A rollout of 64 requests whose lengths vary: prompt steps as they arrive, then decode steps as they finish
+    (several in one step, or none for a while), and now and then a second round arriving while the first
+    drains (prompt steps in the middle, a batch that climbs back into buckets it left)."""
+    steps: list[tuple[int, bool]] = [(b, False) for b in sorted(rng.sample(range(1, 64), rng.randint(0, 2))) + [64]]
+    batch = 64
+    while batch:
+        steps += [(batch, True)] * rng.randint(1, 12)
+        if rng.random() < 0.06 and batch < 48:
+            batch = min(64, batch + rng.randint(4, 40))
+            steps.append((batch, False))
+        else:
+            batch = max(0, batch - rng.choice((0, 1, 1, 2, 3, 5, 8, batch // 2 + 1)))
+    return steps
+
+
+def _lockstep(alphas: list[float] | Callable[[int], list[float]], seed: int, rollouts: int,
+              shape: list[tuple[int, bool]] | None = ONE_WAVE, **policy: Any) -> tuple[SpeculationPolicy, SpeculationPolicy]:
+    """Two policies fed the same engine, step by step: RL rollouts of `shape` (batch, steady) steps (None: a
+    random rollout each, _random_rollout), a weight
+    sync before each (`alphas`: the head's acceptance per position, or a function of the rollout giving it),
+    each step's drafts verified by the next one (its acceptance observed after that step's choice), timed as
+    the scheduler times them (settling steps to observe_settle, steady steps to the cost fit, noisy
+    with a stall now and then). The second runs its full choice at every step (its fast path's records are
+    dropped before each). `policy`: SpeculationPolicy's settings beyond k_max = 3 and max_batch = 64."""
+    fast, full = (SpeculationPolicy(k_max=3, max_batch=64, **policy) for _ in range(2))
     rngs = [random.Random(seed), random.Random(seed)]
-    shape = [(1, False), (40, False), (64, False)] + [(64, True)] * 40 + [(63, True)] * 5 + [(61, True)] * 3 + [
-        (b, True) for b in (58, 58, 50, 47, 47, 40, 36, 33, 33, 32, 29, 20, 18, 16, 12, 9, 8, 7, 6, 5, 4, 3, 2, 2, 1, 1)]
-    prev = [-1, -1]
-    for _ in range(rollouts):
+    prev, drafted_by = [-1, -1], [0, 0]
+    head = alphas if callable(alphas) else (lambda _: alphas)
+    for rollout in range(rollouts):
+        alphas = head(rollout)
         for pol in (fast, full):
             pol.on_new_weights()
-        for batch, steady in shape:
+        for batch, steady in shape if shape is not None else _random_rollout(random.Random(seed * 1000 + rollout)):
             ks = []
             for i, pol in enumerate((fast, full)):
                 if pol is full:
-                    pol._hold = None
+                    pol._holds.clear()
                 rng = rngs[i]
                 k = pol.choose(batch, steady)
                 settle = pol.settling if steady else -1
-                if k:
-                    accepted = _accepted(rng, alphas, k, batch)
-                    pol.acceptance.observe([k] * batch, accepted)
-                    pol.credit_verified(batch, [k] * batch, accepted)
+                if prev[i] > 0:   # this step verifies the drafts of the one before, as the engine does
+                    verified = min(batch, drafted_by[i])
+                    accepted = _accepted(rng, alphas, prev[i], verified)
+                    pol.acceptance.observe([prev[i]] * verified, accepted)
+                    pol.credit_verified(verified, [prev[i]] * verified, accepted)
                 t = _tiny_default_step(batch, k) * math.exp(rng.gauss(0.0, 0.1)) * (3.0 if rng.random() < 0.02 else 1.0)
                 if pol.timing_valid and settle >= 0:
                     pol.observe_settle(settle, batch, batch, t)
                 elif pol.timing_valid and steady and k == prev[i]:
                     pol.cost.observe(batch * (1 + k), batch, k, t)
-                prev[i] = k
+                prev[i], drafted_by[i] = k, batch
                 ks.append(k)
             assert ks[0] == ks[1], (fast.steps, batch, ks)
     return fast, full
 
 
+@pytest.mark.parametrize("shape", [ONE_WAVE, TWO_WAVES], ids=["one_wave", "two_waves"])
 @pytest.mark.parametrize(("alphas", "held_share"), [([0.0, 0.0, 0.0], 0.3), ([0.45, 0.3, 0.2], 0.3),
                                                     ([0.75, 0.6, 0.5], 0.3), ([0.95, 0.95, 0.95], 0.0)])
-def test_the_fast_path_chooses_and_books_every_step_as_the_full_choice_does(alphas, held_share):
-    """choose's fast path (the same batch, or a bucket where not drafting is settled, and nothing new) gives
-    the k the full choice gives at every step of RL rollouts and leaves the same state behind, bit for bit:
-    the time it books (which gates every exploration), the histograms, the probe and challenge schedules,
-    the settling. Where the engine stops drafting it answers a good share of the steps (`held_share`);
-    where it drafts, every step brings new acceptance and it never answers."""
-    fast, full = _lockstep(alphas, seed=3, rollouts=40)
+def test_the_fast_path_chooses_and_books_every_step_as_the_full_choice_does(alphas, held_share, shape):
+    """choose's fast path (the same batch, or a bucket where not drafting is settled, and nothing new; also at
+    a step that takes prompt tokens, and in a bucket the batch comes back to) gives the k the full choice gives
+    at every step of RL rollouts and leaves the same state behind, bit for bit: the time it books (which gates
+    every exploration), the histograms, the probe and challenge schedules, the settling. Where the engine
+    stops drafting it answers a good share of the steps (`held_share`); where it drafts, every step brings
+    new acceptance and it never answers."""
+    fast, full = _lockstep(alphas, seed=3, rollouts=40, shape=shape)
     names = ("steps", "_spent", "_spent_at_probe", "chosen_sum", "chosen_count", "histogram", "model_histogram",
              "explored_steps", "_probe", "_interval", "_next_probe_at", "_next_challenge_at", "_challenge_gap",
              "_incumbent", "_cycled", "settling", "_back", "seconds_saved", "settle_excess")
@@ -1241,6 +1303,29 @@ def test_the_fast_path_chooses_and_books_every_step_as_the_full_choice_does(alph
     if not held_share:
         assert fast.held_steps <= 0.02 * fast.steps
     assert fast.stats()["held_steps"] == fast.held_steps
+
+
+@pytest.mark.parametrize(("shape", "seed"), [(ONE_WAVE, 5), (TWO_WAVES, 5), (None, 5), (None, 6), (None, 7)],
+                         ids=["one_wave", "two_waves", "random_5", "random_6", "random_7"])
+def test_the_fast_path_follows_a_head_that_turns_good_and_bad_as_the_full_choice_does(shape, seed):
+    """A head accepted at 0.95 for four rollouts, then at 0 for four, and so on: every bucket's choice moves
+    back and forth, and a record the fast path kept from before a move (in a bucket the batch left, or across a
+    step that takes prompt tokens) must never answer for the new acceptance."""
+    fast, full = _lockstep(lambda r: [0.95] * 3 if r // 4 % 2 else [0.0] * 3, seed=seed, rollouts=40, shape=shape)
+    assert fast.histogram == full.histogram and fast._spent == full._spent
+    assert fast.histogram[3] > 0.05 * fast.steps and fast.histogram[0] > 0.5 * fast.steps   # it moved both ways
+    assert fast.held_steps > 0.1 * fast.steps
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fast_path_keeps_to_the_full_choice_where_explorations_are_due_all_the_time(seed):
+    """Probes due every other step with budget to spare, on random rollouts and a head that turns good and bad:
+    explorations start, wait, are cut short by prompt steps and by the batch leaving, in every bucket, and the
+    records the fast path keeps per bucket must still answer only where the full choice would say the same."""
+    fast, full = _lockstep(lambda r: [0.95] * 3 if r // 3 % 2 else [0.3, 0.1, 0.0], seed=seed, rollouts=30,
+                           shape=None, probe_every=2, probe_every_max=4, explore_budget=0.2, challenge_every=2)
+    assert fast.histogram == full.histogram and fast._spent == full._spent and fast._queue == full._queue
+    assert fast.explored_steps > 0.05 * fast.steps and fast.held_steps > 0.05 * fast.steps
 
 
 def test_the_fast_path_gives_way_to_an_exploration_its_budget_allows():
@@ -1253,7 +1338,7 @@ def test_the_fast_path_gives_way_to_an_exploration_its_budget_allows():
         started = []
         for _ in range(3000):
             if name == "full":
-                pol._hold = None
+                pol._holds.clear()
             explored = pol.explored_steps
             k = pol.choose(8)
             if pol.explored_steps > explored:
