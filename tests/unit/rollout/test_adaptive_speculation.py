@@ -263,7 +263,6 @@ def test_the_cost_models_version_moves_with_every_timing_that_may_change_an_unre
     assert 10 <= moved <= 100    # each fit is solved again every ~20 of its samples once it is steady
 
 
-
 def test_the_cost_tables_equal_the_fits_own_answers_at_each_batch():
     """The cost model's per-batch table (built from the fit's LineTable) holds what the fit predicts for
     step_features at that batch: the features are affine in the batch size, which the closed form relies on.
@@ -1245,12 +1244,12 @@ def _random_rollout(rng: random.Random) -> list[tuple[int, bool]]:
 def _lockstep(alphas: list[float] | Callable[[int], list[float]], seed: int, rollouts: int,
               shape: list[tuple[int, bool]] | None = ONE_WAVE, **policy: Any) -> tuple[SpeculationPolicy, SpeculationPolicy]:
     """Two policies fed the same engine, step by step: RL rollouts of `shape` (batch, steady) steps (None: a
-    random rollout each, _random_rollout), a weight
-    sync before each (`alphas`: the head's acceptance per position, or a function of the rollout giving it),
-    each step's drafts verified by the next one (its acceptance observed after that step's choice), timed as
-    the scheduler times them (settling steps to observe_settle, steady steps to the cost fit, noisy
-    with a stall now and then). The second runs its full choice at every step (its fast path's records are
-    dropped before each). `policy`: SpeculationPolicy's settings beyond k_max = 3 and max_batch = 64."""
+    random rollout each, _random_rollout), a weight sync before each (`alphas`: the head's acceptance per
+    position, or a function of the rollout giving it), each step's drafts verified by the next one (its
+    acceptance observed after that step's choice), timed as the scheduler times them (settling steps to
+    observe_settle, steady steps to the cost fit, noisy with a stall now and then). The second runs its full
+    choice at every step (its fast path's records are dropped before each). `policy`: SpeculationPolicy's
+    settings beyond k_max = 3 and max_batch = 64."""
     fast, full = (SpeculationPolicy(k_max=3, max_batch=64, **policy) for _ in range(2))
     rngs = [random.Random(seed), random.Random(seed)]
     prev, drafted_by = [-1, -1], [0, 0]
@@ -1283,6 +1282,15 @@ def _lockstep(alphas: list[float] | Callable[[int], list[float]], seed: int, rol
     return fast, full
 
 
+def _booked(pol: SpeculationPolicy) -> dict[str, Any]:
+    """What a policy's choices leave behind: the time it booked (which gates every exploration), its histograms,
+    the probe and challenge schedules, the explorations queued, the calibrations and the settling."""
+    names = ("steps", "_spent", "_spent_at_probe", "chosen_sum", "chosen_count", "histogram", "model_histogram",
+             "explored_steps", "_probe", "_interval", "_next_probe_at", "_next_challenge_at", "_challenge_gap",
+             "_incumbent", "_cycled", "_queue", "settling", "_back", "seconds_saved", "settle_excess")
+    return {n: getattr(pol, n) for n in names}
+
+
 @pytest.mark.parametrize("shape", [ONE_WAVE, TWO_WAVES], ids=["one_wave", "two_waves"])
 @pytest.mark.parametrize(("alphas", "held_share"), [([0.0, 0.0, 0.0], 0.3), ([0.45, 0.3, 0.2], 0.3),
                                                     ([0.75, 0.6, 0.5], 0.3), ([0.95, 0.95, 0.95], 0.0)])
@@ -1294,10 +1302,7 @@ def test_the_fast_path_chooses_and_books_every_step_as_the_full_choice_does(alph
     stops drafting it answers a good share of the steps (`held_share`); where it drafts, every step brings
     new acceptance and it never answers."""
     fast, full = _lockstep(alphas, seed=3, rollouts=40, shape=shape)
-    names = ("steps", "_spent", "_spent_at_probe", "chosen_sum", "chosen_count", "histogram", "model_histogram",
-             "explored_steps", "_probe", "_interval", "_next_probe_at", "_next_challenge_at", "_challenge_gap",
-             "_incumbent", "_cycled", "settling", "_back", "seconds_saved", "settle_excess")
-    assert {n: getattr(fast, n) for n in names} == {n: getattr(full, n) for n in names}
+    assert _booked(fast) == _booked(full)
     assert full.held_steps == 0
     assert fast.held_steps >= held_share * fast.steps, (fast.held_steps, fast.steps)
     if not held_share:
@@ -1312,7 +1317,7 @@ def test_the_fast_path_follows_a_head_that_turns_good_and_bad_as_the_full_choice
     back and forth, and a record the fast path kept from before a move (in a bucket the batch left, or across a
     step that takes prompt tokens) must never answer for the new acceptance."""
     fast, full = _lockstep(lambda r: [0.95] * 3 if r // 4 % 2 else [0.0] * 3, seed=seed, rollouts=40, shape=shape)
-    assert fast.histogram == full.histogram and fast._spent == full._spent
+    assert _booked(fast) == _booked(full)
     assert fast.histogram[3] > 0.05 * fast.steps and fast.histogram[0] > 0.5 * fast.steps   # it moved both ways
     assert fast.held_steps > 0.1 * fast.steps
 
@@ -1324,7 +1329,7 @@ def test_the_fast_path_keeps_to_the_full_choice_where_explorations_are_due_all_t
     records the fast path keeps per bucket must still answer only where the full choice would say the same."""
     fast, full = _lockstep(lambda r: [0.95] * 3 if r // 3 % 2 else [0.3, 0.1, 0.0], seed=seed, rollouts=30,
                            shape=None, probe_every=2, probe_every_max=4, explore_budget=0.2, challenge_every=2)
-    assert fast.histogram == full.histogram and fast._spent == full._spent and fast._queue == full._queue
+    assert _booked(fast) == _booked(full)
     assert fast.explored_steps > 0.05 * fast.steps and fast.held_steps > 0.05 * fast.steps
 
 
