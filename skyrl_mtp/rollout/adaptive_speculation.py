@@ -171,8 +171,9 @@ class OnlineLinearFit:
         self._solved: _Solution | None = None
         self._solve_count = 0
 
-    def add(self, x: list[float], y: float) -> None:
-        """One sample; the engine adds one per step, so it only queues it for the Gram matrix (_fold)."""
+    def add(self, x: list[float], y: float) -> bool:
+        """One sample; the engine adds one per step, so it only queues it for the Gram matrix (_fold). True when
+        it ends the fit's current solve (the next read solves it again, with new predictions)."""
         self._pending.append((tuple(x), y))
         if len(self._pending) >= FOLD_EVERY:
             self._fold()
@@ -184,7 +185,9 @@ class OnlineLinearFit:
             # sample while the fit is young, every ~20 once it is steady (the engine adds one per step). A
             # solve and the tables read off it cost ~0.2 ms in the engine core; solving every ~10 (a share
             # of 0.05) chose no better in replays (speculation_policy.py)
-            self._solved = None
+            ended, self._solved = self._solved is not None, None
+            return ended
+        return False
 
     def _fold(self) -> None:
         """Adds the queued samples to the weighted Gram matrix (_xtx, _xty) in one pass, each decayed as if
@@ -474,15 +477,12 @@ class CostModel:
         timed, seen = self.weight_at_k[b], self.seen_k[b]
         if len(seen) == self.k_max + 1 and timed[k] >= self.stall_min_samples:   # a stall is not what the step costs
             seconds = min(seconds, self.stall_ratio * max(fit.predict(x), 1e-6))
-        solved = self.global_fit._solved, fit._solved
-        self.global_fit.add(x, seconds)
-        fit.add(x, seconds)
+        ended = self.global_fit.add(x, seconds), fit.add(x, seconds)
         decay = fit.decay
         for j in range(len(timed)):
             timed[j] *= decay
         timed[k] += 1.0
-        if (k not in seen or (solved[0] is not None and self.global_fit._solved is None)
-                or (solved[1] is not None and fit._solved is None)):
+        if k not in seen or any(ended):
             self.version += 1
         seen.add(k)
 
@@ -995,7 +995,7 @@ class SpeculationPolicy:
         regret = (math.inf if gate == 2 and self._probe_deferred
                   else self._regret_memo[1] if gate else 0.0)   # type: ignore[index]
         settled = self._settled is not None and self._settled[:2] == (key[1:], True)
-        timed = self.cost.covers(batch)
+        timed = fit is not self.cost.global_fit   # (as _model_choice tells a bucket timed at every k)
         return _Hold(batch, rival, seconds, self.cost, fit, fit._solved, self.acceptance,
                      self.acceptance.version, self._settle_version, gate, regret,
                      self._settled[2] if settled else 0, self.cost.lines_in_state(key[3]) if settled else None,
