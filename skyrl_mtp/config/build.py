@@ -130,6 +130,7 @@ def engine_config(cfg: DictConfig, model_path: str | Path):
         adaptive_speculation=adaptive_speculation(cfg) and rollout_speculative_tokens(cfg) > 0,
         draft_sample_method=str(cfg.trainer.mtp.draft_sample_method),
         explore_budget=float(cfg.trainer.mtp.explore_budget),
+        policy_trace_dir=cfg.trainer.mtp.policy_trace_dir,
         # logger.verbose=false: no progress bars of vLLM's checkpoint loading on the console
         engine_kwargs={**({} if cfg.logger.verbose else {"use_tqdm_on_load": False}),
                        **OmegaConf.to_container(g.engine_kwargs, resolve=True)})

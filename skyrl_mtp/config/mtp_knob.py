@@ -64,6 +64,13 @@ def mtp_problems(cfg: DictConfig) -> list[str]:
         out.append(problem("trainer.mtp.explore_budget", explore,
                            "applies only with trainer.mtp.num_speculative_tokens=auto (a fixed k explores "
                            "nothing); leave it unset"))
+    trace = knob.policy_trace_dir
+    if trace is not None and (not isinstance(trace, str) or not trace.strip()):
+        out.append(problem("trainer.mtp.policy_trace_dir", trace, "must be a directory path, or null (no trace)"))
+    elif trace is not None and not (knob.enabled and knob.num_speculative_tokens == "auto"):
+        out.append(problem("trainer.mtp.policy_trace_dir", trace,
+                           "applies only with trainer.mtp.enabled=true and num_speculative_tokens=auto (it records "
+                           "the calls to the engines' choice of k); leave it null"))
     if knob.train_depths is not None and knob.train_depths < 1:
         out.append(problem("trainer.mtp.train_depths", knob.train_depths,
                            "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)"))

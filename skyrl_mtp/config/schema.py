@@ -70,6 +70,10 @@ class MTPConfig:
     # what each exploration is predicted to cost beyond the best k (rollout/adaptive_speculation.py). It is
     # what lets the engines notice a head that got better; 0 explores only where that is predicted free.
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
+    # num_speculative_tokens=auto: a directory where every engine core writes each call its scheduler makes to
+    # the policy choosing k (one file per engine process, rollout/policy_trace.py), for an exact replay of
+    # its choices (benchmarks/speculation_policy_trace.py); null writes nothing
+    policy_trace_dir: str | None = None
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
-from skyrl_mtp.rollout import kv_replay_cache
+from skyrl_mtp.rollout import kv_replay_cache, policy_trace
 from skyrl_mtp.rollout.adaptive_speculation import (
     AdaptiveSpeculationError,
     SpeculationPolicy,
@@ -77,6 +77,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
         check_own_names_free(self)
         self.speculation = SpeculationPolicy(k_max=self.num_spec_tokens, max_batch=self.max_num_running_reqs,
                                              explore_budget=explore_budget_from_env(os.environ))
+        # trainer.mtp.policy_trace_dir: every call to the policy, for an exact replay (policy_trace.py)
+        self._trace = policy_trace.writer_from_env(os.environ, self.speculation)
         self._step: _Step | None = None
         self._finished: _Step | None = None
         self._prev_k = -1
@@ -97,6 +99,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
         decode_only = not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch + sum(
             len(d) for d in out.scheduled_spec_decode_tokens.values())
         k = self.speculation.choose(batch, decode_only)
+        if self._trace is not None:
+            self._trace.choose(batch, decode_only, k)
         out.num_spec_tokens_to_schedule = k
         settle = self.speculation.settling if decode_only else -1
         timed = k == self._prev_k and decode_only and settle < 0   # settling steps stay out of k = 0's fit
@@ -115,14 +119,19 @@ class AdaptiveSpeculationScheduler(Scheduler):
                     continue
                 drafts.append(len(tokens))
                 accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
+            batch = len(scheduler_output.num_scheduled_tokens)
             self.speculation.acceptance.observe(drafts, accepted)
-            self.speculation.credit_verified(len(scheduler_output.num_scheduled_tokens), drafts, accepted)
+            self.speculation.credit_verified(batch, drafts, accepted)
+            if self._trace is not None:
+                self._trace.verified(batch, drafts, accepted)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Every weight sync ends with a prefix-cache reset (EngineClient.sync_weights, StepSync): the
         acceptance seen so far was the old weights', so the new ones' drafts soon outweigh it."""
         self.speculation.on_new_weights()
+        if self._trace is not None:
+            self._trace.new_weights()
         return super().reset_prefix_cache(*args, **kwargs)
 
     def drafted_nothing(self) -> bool:
@@ -140,14 +149,19 @@ class AdaptiveSpeculationScheduler(Scheduler):
         longer than the step itself means the engine went idle (no requests), and the step is not timed."""
         step, self._finished = self._finished, None
         if step is not None and now - step.t_end <= 2.0 * (step.t_end - step.t0) + IDLE_GAP_S:
+            seconds = now - step.t0
             if step.settle >= 0:
-                self.speculation.observe_settle(step.settle, step.num_tokens, step.batch, now - step.t0)
+                self.speculation.observe_settle(step.settle, step.num_tokens, step.batch, seconds)
+                if self._trace is not None:
+                    self._trace.settled(step.settle, step.num_tokens, step.batch, seconds)
             else:
-                self.speculation.cost.observe(step.num_tokens, step.batch, step.k, now - step.t0)
+                self.speculation.cost.observe(step.num_tokens, step.batch, step.k, seconds)
+                if self._trace is not None:
+                    self._trace.timed(step.num_tokens, step.batch, step.k, seconds)
 
 
 # what this class adds to vLLM's Scheduler: attributes set in __init__, and methods
-OWN_ATTRIBUTES = ("speculation", "_step", "_finished", "_prev_k", "fetches_skipped")
+OWN_ATTRIBUTES = ("speculation", "_trace", "_step", "_finished", "_prev_k", "fetches_skipped")
 OWN_METHODS = ("drafted_nothing", "end_step", "_time_finished_step")
 
 

@@ -60,6 +60,8 @@ class EngineConfig:
     explore_budget: with adaptive_speculation, the share of engine time that choice may spend exploring
     (SpeculationPolicy.explore_budget); it reaches the engine core's scheduler through the engine
     process's environment (engine.engine_environment).
+    policy_trace_dir: with adaptive_speculation, where each engine core writes the calls its scheduler makes to
+    that choice (rollout/policy_trace.py; None: no trace).
     """
 
     model_path: str
@@ -79,6 +81,7 @@ class EngineConfig:
     adaptive_speculation: bool = False
     draft_sample_method: str = "greedy"
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
+    policy_trace_dir: str | None = None
     # vLLM weight-transfer backend of the engines' workers, picked by rollout/weight_transfer/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
@@ -112,6 +115,11 @@ class EngineConfig:
                           "token for token)", stacklevel=2)
         if not is_explore_budget(self.explore_budget):
             raise _bad("explore_budget", self.explore_budget, EXPLORE_BUDGET_ALLOWED)
+        if self.policy_trace_dir is not None and (not isinstance(self.policy_trace_dir, str)
+                                                  or not self.policy_trace_dir.strip()
+                                                  or self.adaptive_speculation is not True):
+            raise _bad("policy_trace_dir", self.policy_trace_dir,
+                       "None, or a directory path with adaptive_speculation=True (it records the choice of k)")
         if self.adaptive_speculation is True and k < 1:
             raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
         for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):

@@ -20,6 +20,7 @@ from typing import Any
 from skyrl_mtp.rollout import kv_replay_cache
 from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
 from skyrl_mtp.rollout.config import EngineConfig
+from skyrl_mtp.rollout.policy_trace import POLICY_TRACE_ENV
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
 from skyrl_mtp.rollout.weight_sync import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
@@ -39,6 +40,8 @@ def engine_environment(cfg: EngineConfig) -> dict[str, str]:
         env[kv_replay_cache.ENV_VAR] = "1"
     if cfg.adaptive_speculation:   # read by the engine core's scheduler (adaptive_scheduler.py)
         env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
+        if cfg.policy_trace_dir is not None:
+            env[POLICY_TRACE_ENV] = cfg.policy_trace_dir
     return env
 
 

@@ -33,6 +33,8 @@ EXPECTED = {
     "rollout_spec.py": ({"rows"}, {"head", "k", "batch", "identical_to_no_spec", "k_mean", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
                                    "speedup_vs_no_spec", "speedup_per_rep", "speedup_median_of_rounds", "no_spec_tokens_per_s", "predicted_speedup",
                                    "runner_ms_per_step"}),
+    "speculation_policy_trace.py": ({"rows"}, {"trace", "steps", "k_max", "explore_budget", "all_k_match", "first_mismatch",
+                                             "held_share", "k_mean", "choose_us_per_step", "feed_us_per_step"}),
     "speculation_policy.py": ({"rows", "k_max"}, {"acceptance", "explore_budget", "us_per_step", "share_of_step", "k_mean",
                                                   "k_histogram", "best_k_share", "explore_regret_share",
                                                   "choice_regret_share", "rollouts_to_follow_per_seed"}),
@@ -111,6 +113,10 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, tmp_path):
             assert 0 < ms["_sample"] < ms["sample_tokens"] and ms["_bookkeeping_sync"] < ms["sample_tokens"], ms
             # the oracle's engines draft (auto too: its drafts all land), no spec never
             assert (ms["propose_draft_token_ids"] == 0) == (row["k"] == 0), ms
+    if script == "speculation_policy_trace.py":   # a real engine core's trace, replayed to its k at every step
+        for row in result["rows"]:
+            assert row["all_k_match"] and row["first_mismatch"] is None and row["steps"] > 0, row
+            assert row["choose_us_per_step"] > 0 and row["k_max"] == 3, row
     if script == "engine_schedule_time.py":   # timed in each engine core; the auto engines but one memoize
         rows = {r["setup"]: r for r in result["rows"]}
         assert set(rows) == {"no_spec", "auto", "auto_unmemoized", "auto_no_policy"}, rows

@@ -130,8 +130,10 @@ def no_mtp_ckpt(tiny_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_pool(ray_local, random_ckpt, oracle_ckpt):
+def engine_pool(ray_local, random_ckpt, oracle_ckpt, tmp_path_factory):
     from skyrl_mtp.rollout.config import EngineConfig
+
+    trace_dir = str(tmp_path_factory.mktemp("policy_trace"))   # "auto" records its policy's calls there
 
     configs = {
         "nospec": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=0, **SMALL),
@@ -140,7 +142,8 @@ def engine_pool(ray_local, random_ckpt, oracle_ckpt):
         "k1_vllm_coupling": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=1,
                                                  draft_invariant_sampling=False, **SMALL),
         "auto": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=3,
-                                     adaptive_speculation=True, explore_budget=0.03, **SMALL),
+                                     adaptive_speculation=True, explore_budget=0.03, policy_trace_dir=trace_dir,
+                                     **SMALL),
         "k2": lambda: EngineConfig(model_path=str(oracle_ckpt), num_speculative_tokens=2, num_engines=2,
                                    engine_kwargs={"max_num_batched_tokens": 1536, "distributed_executor_backend": "mp"},
                                    **SMALL),

@@ -11,6 +11,7 @@ no draft fetch after a k = 0 step) and the mean k per step reaches the metrics.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,25 @@ def _delta(before: dict, after: dict, key: str) -> int:
     if key == "k0":
         return after["k_histogram"][0] - before["k_histogram"][0]
     return after[key] - before[key]
+
+
+def test_the_engine_cores_policy_trace_replays_to_the_k_it_ran_at_every_step(engine_pool, oracle_ckpt):
+    """The "auto" engine records every call its scheduler makes to the policy (policy_trace_dir): fed to a
+    fresh policy, those calls give the k the engine ran at each of its steps, however many rounds, weight
+    syncs and heads the tests before this one put it through."""
+    import ray
+
+    from skyrl_mtp.rollout.policy_trace import read_trace, replay
+
+    auto = engine_pool.get("auto")
+    auto.generate_sync(_prompts(), SAMPLED)
+    auto.sync_weights(load_file(str(next(oracle_ckpt.glob("*.safetensors")))))   # a sync flushes the trace
+    steps = ray.get(auto.actors[0].adaptive_speculation_stats.remote())["policy"]["steps"]
+    traces = sorted(Path(auto.cfg.policy_trace_dir).glob("policy_trace.*.txt"))
+    assert len(traces) == 1, traces        # one engine core
+    trace = read_trace(traces[0])
+    assert trace.steps == steps > 0 and (trace.k_max, trace.explore_budget) == (3, 0.03)
+    again = replay(trace)
+    assert again.first_mismatch is None and len(set(again.ks)) >= 2, again.ks
+    assert again.policy.stats()["k_histogram"] == ray.get(
+        auto.actors[0].adaptive_speculation_stats.remote())["policy"]["k_histogram"]

@@ -47,6 +47,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.train_depths": (1, {}),
     "trainer.mtp.idle_head_train_budget": (0.5, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
     "trainer.mtp.explore_budget": (0.01, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
+    "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),

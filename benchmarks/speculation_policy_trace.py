@@ -1,0 +1,104 @@
+"""Replays engine cores' policy traces: checks the k of every step, and times the policy's calls.
+
+An RL run with `trainer.mtp.num_speculative_tokens=auto trainer.mtp.policy_trace_dir=DIR` leaves one trace per
+engine core in DIR (rollout/policy_trace.py): every call its scheduler made to the speculation policy. This
+feeds each trace to a fresh policy of the current code, `--repeats` times, and reports:
+
+- `all_k_match`: whether the replay chose the k the engine ran at every step (`first_mismatch`: the first step
+  where it did not). A trace recorded before a change that should leave the choices alone checks the change on
+  the engine's own traffic; a change that moves choices shows where the first one moved.
+- `choose_us_per_step` and `feed_us_per_step`: the policy's time per engine step in `choose` and in the calls
+  that feed it (timings, verified drafts, weight syncs), the fastest of the repeats, in this quiet process. In
+  the engine core, between model steps, the same calls take about 3x as long (its caches are cold there).
+- `held_share`: the steps choose's fast path answered, and `steps`.
+
+`--record STEPS OUT_DIR` first runs the tiny default that many RL steps with auto k and the trace on (its run
+and traces under OUT_DIR), then replays those traces; `--quick` records two steps at a small size (the smoke
+test). Prints a table and writes JSON with `--json OUT`; exits 1 when a trace's choices differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from skyrl_mtp.rollout.policy_trace import read_trace, replay
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK_OVERRIDES = ["trainer.warm_start.enabled=false", "trainer.train_batch_size=2", "trainer.policy_mini_batch_size=2",
+                   "generator.n_samples_per_prompt=2", "generator.sampling.max_tokens=8",
+                   "algorithm.dynamic_sampling.max_gen_rounds=1"]
+
+
+def record(steps: int, out: Path, overrides: list[str]) -> Path:
+    """Run the tiny default `steps` RL steps with auto k and the policy trace on; returns the traces' directory."""
+    traces = out / "traces"
+    args = [sys.executable, "-m", "skyrl_mtp.main", "recipe=tiny_dapo", f"trainer.run_dir={out / 'run'}",
+            f"trainer.total_steps={steps}", "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0",
+            "trainer.progress_bar=false", "logger.plots=false", "trainer.mtp.num_speculative_tokens=auto",
+            f"trainer.mtp.policy_trace_dir={traces}", *overrides]
+    proc = subprocess.run(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, capture_output=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the recording run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return traces
+
+
+def measure(path: Path, repeats: int) -> dict:
+    trace = read_trace(path)
+    runs = [replay(trace) for _ in range(repeats)]
+    first = runs[0]
+    steps = max(trace.steps, 1)
+    mismatch = first.first_mismatch
+    return {"trace": str(path), "steps": trace.steps, "k_max": trace.k_max, "explore_budget": trace.explore_budget,
+            "all_k_match": mismatch is None, "first_mismatch": mismatch,
+            "held_share": first.policy.held_steps / steps,
+            "k_mean": sum(first.recorded) / steps,
+            "choose_us_per_step": min(r.choose_seconds for r in runs) / steps * 1e6,
+            "feed_us_per_step": min(r.feed_seconds for r in runs) / steps * 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("traces", type=Path, nargs="*", help="trace files, or directories of them")
+    ap.add_argument("--record", nargs=2, metavar=("STEPS", "OUT_DIR"),
+                    help="first record traces of a fresh RL run of the tiny default with auto k")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="record two small RL steps and replay them, for the smoke test")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats={args.repeats}: at least 1")
+    traces = list(args.traces)
+    if args.record:
+        if not args.record[0].isdigit() or int(args.record[0]) < 1:
+            ap.error(f"--record {args.record[0]}: STEPS is an int >= 1")
+        traces.append(record(int(args.record[0]), Path(args.record[1]), []))
+    scratch = tempfile.TemporaryDirectory(prefix="policy_trace_")   # --quick's run, removed at exit
+    if args.quick:
+        traces.append(record(2, Path(scratch.name), QUICK_OVERRIDES))
+    if not traces:
+        ap.error("give trace files or directories, --record STEPS OUT_DIR, or --quick")
+    paths = []
+    for p in traces:
+        found = sorted(p.glob("policy_trace.*.txt")) if p.is_dir() else [p]
+        if not found:
+            ap.error(f"{p}: no policy_trace.*.txt in it")
+        paths += found
+    rows = [measure(p, args.repeats) for p in paths]
+    print(f"{'trace':<40}{'steps':>7}{'k mean':>8}{'held':>7}{'choose us':>11}{'feed us':>9}  k as recorded")
+    for r in rows:
+        verdict = "every step" if r["all_k_match"] else f"NO: first differs at step {r['first_mismatch']}"
+        print(f"{Path(r['trace']).name[-40:]:<40}{r['steps']:>7}{r['k_mean']:>8.3f}{r['held_share']:>7.0%}"
+              f"{r['choose_us_per_step']:>11.1f}{r['feed_us_per_step']:>9.1f}  {verdict}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=2))
+    return 0 if all(r["all_k_match"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
