@@ -73,12 +73,16 @@ class AdaptiveSpeculationScheduler(Scheduler):
                  "the acceptance estimate)")
         _require(isinstance(getattr(self, "max_num_running_reqs", None), int),
                  "vLLM's Scheduler has no int `max_num_running_reqs` (the engine's max_num_seqs)")
+        _require(isinstance(getattr(self, "running", None), list) and isinstance(getattr(self, "max_model_len", None), int),
+                 "vLLM's Scheduler has no list `running` and int `max_model_len` (read for the requests that stay)")
         # (not `policy`: vLLM's Scheduler keeps its SchedulingPolicy, FCFS or priority, under that name)
         check_own_names_free(self)
         self.speculation = SpeculationPolicy(k_max=self.num_spec_tokens, max_batch=self.max_num_running_reqs,
                                              explore_budget=explore_budget_from_env(os.environ))
         # trainer.mtp.policy_trace_dir: every call to the policy, for an exact replay (policy_trace.py)
         self._trace = policy_trace.writer_from_env(os.environ, self.speculation)
+        self._scheduled: Any = None   # the SchedulerOutput the policy is choosing k for (_staying reads it)
+        self._staying_seen: int | None = None   # what _staying answered for it, if the policy asked
         self._step: _Step | None = None
         self._finished: _Step | None = None
         self._prev_k = -1
@@ -98,15 +102,33 @@ class AdaptiveSpeculationScheduler(Scheduler):
         # what it schedules), so comparing the totals suffices; timed when also at the k of the step before
         decode_only = not out.scheduled_new_reqs and out.total_num_scheduled_tokens == batch + sum(
             len(d) for d in out.scheduled_spec_decode_tokens.values())
-        k = self.speculation.choose(batch, decode_only)
+        self._scheduled, self._staying_seen = out, None
+        k = self.speculation.choose(batch, decode_only, self._staying)
+        self._scheduled = None
         if self._trace is not None:
-            self._trace.choose(batch, decode_only, k)
+            self._trace.choose(batch, decode_only, k, self._staying_seen)
         out.num_spec_tokens_to_schedule = k
         settle = self.speculation.settling if decode_only else -1
         timed = k == self._prev_k and decode_only and settle < 0   # settling steps stay out of k = 0's fit
         self._step = _Step(t0, int(out.total_num_scheduled_tokens), batch, k, timed, settle)
         self._prev_k = k
         return out
+
+    def _staying(self) -> int:
+        """How many of the running requests this step leaves short of their length cap (max_tokens, or the
+        model's length), counting every draft it verifies as accepted: they may run at the next step, unless an
+        end-of-sequence token ends them. The others end with this step."""
+        spec, cap = self._scheduled.scheduled_spec_decode_tokens, self.max_model_len
+        n = 0
+        try:
+            for req in self.running:
+                emitted = 1 + len(spec.get(req.request_id, ()))
+                if req.num_output_tokens + emitted < req.max_tokens and req.num_tokens + emitted < cap:
+                    n += 1
+        except AttributeError as e:
+            raise AdaptiveSpeculationError(f"vLLM's Request no longer has what counts its tokens to its cap: {e}") from e
+        self._staying_seen = n
+        return n
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -161,8 +183,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
 
 
 # what this class adds to vLLM's Scheduler: attributes set in __init__, and methods
-OWN_ATTRIBUTES = ("speculation", "_trace", "_step", "_finished", "_prev_k", "fetches_skipped")
-OWN_METHODS = ("drafted_nothing", "end_step", "_time_finished_step")
+OWN_ATTRIBUTES = ("speculation", "_trace", "_scheduled", "_staying_seen", "_step", "_finished", "_prev_k",
+                  "fetches_skipped")
+OWN_METHODS = ("drafted_nothing", "end_step", "_time_finished_step", "_staying")
 
 
 def check_own_names_free(scheduler: Any) -> None:

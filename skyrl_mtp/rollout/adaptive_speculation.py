@@ -52,7 +52,7 @@ import inspect
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -918,9 +918,11 @@ class SpeculationPolicy:
         todo = sorted((k for k in range(self.k_max + 1) if k not in seen), key=lambda k: (abs(k - incumbent), k))
         return [k for k in todo for _ in range(2)]
 
-    def choose(self, batch: int, steady: bool = True) -> int:
+    def choose(self, batch: int, steady: bool = True, staying: Callable[[], int] | None = None) -> int:
         """k for an engine step of `batch` requests; `steady`: the step schedules decode tokens only (no
-        prompt tokens), so it can be timed and an exploration may start or go on there."""
+        prompt tokens), so it can be timed and an exploration may start or go on there. `staying`, asked only
+        where an exploration would start: how many of the step's requests may still run at the next step
+        (those it does not bring to their length cap); None: all of them (_lasting)."""
         b = bucket(batch)
         hold = self._holds.get(b)
         if hold is not None and self._held(hold, batch, steady):
@@ -936,7 +938,8 @@ class SpeculationPolicy:
         calibration = (math.inf, True)
         if steady and not self._queue and b not in self._cycled and not self.cost.covers(batch):
             calibration = self._calibration_regret(batch)
-        if calibration[0] <= self.explore_budget * (self._spent - self._spent_at_probe):
+        if (calibration[0] <= self.explore_budget * (self._spent - self._spent_at_probe)
+                and self._lasting(batch, staying)):
             self._cycled.add(b)
             self._queue, self._queue_bucket, self._queue_calibrates = self._calibration(batch), b, True
             self._spent_at_probe = self._spent
@@ -957,9 +960,9 @@ class SpeculationPolicy:
             self._spent += seconds
             gate = self._exploration_gate(rival, self.steps) if steady else 0
             if gate == 1:
-                k = self._challenge(k, rival, max(batch, 1))
+                k = self._challenge(k, rival, max(batch, 1), staying)
             elif gate == 2:   # another k (never the best)
-                k = self._probe_step(k, max(batch, 1))
+                k = self._probe_step(k, max(batch, 1), staying)
         self.chosen_sum += k
         self.chosen_count += 1
         self.histogram[k] += 1
@@ -973,6 +976,18 @@ class SpeculationPolicy:
         else:
             self._holds.pop(b, None)
         return k
+
+    @staticmethod
+    def _lasting(batch: int, staying: Callable[[], int] | None) -> bool:
+        """Does the batch stay in its bucket for the next step, as far as the engine knows? An exploration's
+        second step (the one timed) is dropped when the batch leaves the bucket, so one started where the step
+        itself brings enough requests to their length cap would only pay for its first step: a rollout's
+        requests that start together reach max_tokens together, and its batch drops from 64 to a few in a step
+        or two, each small bucket passed in one step."""
+        if staying is None:
+            return True
+        n = staying()
+        return n > 0 and bucket(n) == bucket(batch)
 
     def _exploration_gate(self, rival: int, steps: int) -> int:
         """Which exploration choose asks about at a steady step once the model has chosen: 1 a challenge, 2 a
@@ -1142,7 +1157,7 @@ class SpeculationPolicy:
         base = seconds[0]
         return [base] + [max(seconds[k] - sd[k][0], base + floors[k]) for k in range(1, self.k_max + 1)]
 
-    def _challenge(self, best: int, rival: int, batch: int) -> int:
+    def _challenge(self, best: int, rival: int, batch: int, staying: Callable[[], int] | None = None) -> int:
         """Two steps at a plausible rival (plausible_rival: it may beat the best k within the fit's standard
         error), when its predicted regret fits the exploration budget, `challenge_every` steps after the
         choice moved, then backing off (the gap doubles, up to `probe_every_max`) while the choice stays: a
@@ -1150,7 +1165,7 @@ class SpeculationPolicy:
         that keeps the incumbent (best_k) shrinks only as both ks are timed, and the probes' interval backs
         off to hundreds of steps; without this, a k the fit has timed a few times (k = 0 after a head that was
         accepted well stops being accepted) could keep losing to the incumbent on doubt alone for as long."""
-        if not self._two_steps_affordable(rival, best, batch):
+        if not self._two_steps_affordable(rival, best, batch) or not self._lasting(batch, staying):
             return best
         self._spent_at_probe = self._spent
         self._next_challenge_at = self.steps + self._challenge_gap
@@ -1158,7 +1173,7 @@ class SpeculationPolicy:
         self._queue, self._queue_bucket, self._queue_calibrates = [rival], bucket(batch), False
         return rival
 
-    def _probe_step(self, best: int, batch: int) -> int:
+    def _probe_step(self, best: int, batch: int, staying: Callable[[], int] | None = None) -> int:
         """Probes back off while they change nothing (the interval doubles up to `probe_every_max` and
         returns to `probe_every` when the best k moves), and wait while their predicted regret exceeds
         `explore_budget` of the time since the last one: they stay a small share of the time whichever way
@@ -1171,6 +1186,8 @@ class SpeculationPolicy:
             return best
         if self._cheaper_at_a_smaller_batch(k, best, batch):
             self._probe_deferred = True
+            return best
+        if not self._lasting(batch, staying):   # due and affordable: it starts at the next step that lasts
             return best
         self._probe += 1
         self._spent_at_probe = self._spent

@@ -42,8 +42,9 @@ class PolicyTraceWriter:
         self._file: IO[str] = open(self.path, "w", encoding="ascii")
         self._file.write(f"{FORMAT}\nP {policy.k_max} {policy.max_batch} {policy.explore_budget!r}\n")
 
-    def choose(self, batch: int, steady: bool, k: int) -> None:
-        self._file.write(f"C {batch} {int(steady)} {k}\n")
+    def choose(self, batch: int, steady: bool, k: int, staying: int | None = None) -> None:
+        """`staying`: what the policy was told when it asked how many requests stay (None: it did not ask)."""
+        self._file.write(f"C {batch} {int(steady)} {k} {'-' if staying is None else staying}\n")
 
     def timed(self, num_tokens: int, batch: int, k: int, seconds: float) -> None:
         self._file.write(f"O {num_tokens} {batch} {k} {seconds!r}\n")
@@ -80,7 +81,7 @@ class PolicyTrace:
     k_max: int
     max_batch: int | None
     explore_budget: float
-    calls: list[tuple]   # ("C", batch, steady, k) | ("O", tokens, batch, k, s) | ("S", pos, tokens, batch, s)
+    calls: list[tuple]   # ("C", batch, steady, k, staying) | ("O", tokens, batch, k, s) | ("S", pos, tokens, batch, s)
     #                      | ("V", batch, drafts, accepted) | ("W",)
 
     @property
@@ -93,7 +94,7 @@ def _list(text: str) -> list[int]:
 
 
 _PARSERS = {
-    "C": (3, lambda f: ("C", int(f[1]), f[2] == "1", int(f[3]))),
+    "C": (4, lambda f: ("C", int(f[1]), f[2] == "1", int(f[3]), None if f[4] == "-" else int(f[4]))),
     "O": (4, lambda f: ("O", int(f[1]), int(f[2]), int(f[3]), float(f[4]))),
     "S": (4, lambda f: ("S", int(f[1]), int(f[2]), int(f[3]), float(f[4]))),
     "V": (3, lambda f: ("V", int(f[1]), _list(f[2]), _list(f[3]))),
@@ -132,13 +133,28 @@ class Replay:
     policy: SpeculationPolicy
     ks: list[int] = field(default_factory=list)          # what the replayed policy chose, per step
     recorded: list[int] = field(default_factory=list)    # what the engine ran, per step
+    unrecorded_ask: int | None = None   # the first step where the replay asked how many requests stay and the
+    #                                     engine's policy had not (its answer is not in the trace)
     choose_seconds: float = 0.0   # in SpeculationPolicy.choose
     feed_seconds: float = 0.0     # in the calls that feed it (timings, settling, verified drafts, weight syncs)
 
     @property
     def first_mismatch(self) -> int | None:
-        """The first step (0-based) at which the replay chose another k than the engine, or None."""
-        return next((i for i, (a, b) in enumerate(zip(self.ks, self.recorded)) if a != b), None)
+        """The first step (0-based) at which the replay chose another k than the engine or asked what the engine
+        was not asked, or None."""
+        k = next((i for i, (a, b) in enumerate(zip(self.ks, self.recorded)) if a != b), None)
+        return min((i for i in (k, self.unrecorded_ask) if i is not None), default=None)
+
+
+def _answer(staying: int | None, out: Replay, step: int):
+    """The engine's answer to the policy's question at this step, for the replayed policy to ask."""
+    def ask() -> int:
+        if staying is None:   # the engine's policy did not ask here: the replay has departed from it
+            if out.unrecorded_ask is None:
+                out.unrecorded_ask = step
+            return 1 << 30
+        return staying
+    return ask
 
 
 def replay(trace: PolicyTrace) -> Replay:
@@ -152,7 +168,7 @@ def replay(trace: PolicyTrace) -> Replay:
         kind = call[0]
         t = clock()
         if kind == "C":
-            k = choose(call[1], call[2])
+            k = choose(call[1], call[2], _answer(call[4], out, len(ks)))
             choose_s += clock() - t
             ks.append(k)
             recorded.append(call[3])

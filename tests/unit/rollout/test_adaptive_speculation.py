@@ -587,6 +587,40 @@ def test_a_probe_from_k0_waits_for_a_batch_where_it_costs_less_for_at_most_one_i
         SpeculationPolicy(k_max=2, probe_cheaper_by=0.5)
 
 
+def test_an_exploration_the_step_itself_would_cut_short_waits_for_a_step_the_batch_stays_for():
+    """Where the step brings its requests to their length cap (a rollout's requests reach max_tokens together),
+    the next step runs in a smaller bucket and an exploration's second step, the one timed, would be dropped:
+    a probe or a bucket's calibration due there waits for the next step whose requests stay. The engine is
+    asked who stays only where an exploration would start."""
+    asked = []
+
+    def staying(n):
+        return lambda: asked.append(n) or n
+
+    pol = SpeculationPolicy(k_max=2, warmup_cycles=1, probe_every=10, explore_budget=1.0, probe_cheaper_by=math.inf)
+    [pol.choose(32) for _ in range(6)]
+    pol.cost = _cost(0.0002, 0.0001, 0.0002, 0.00005, 0.0002, 0.00005)
+    pol.acceptance.observe([2] * 50, [0] * 50)
+    assert [pol.choose(32, True, staying(32)) for _ in range(10)] == [0] * 10 and asked == []
+    assert pol.choose(32, True, staying(31)) == 0 and asked == [31]   # due (step 17); 31 left: bucket 5
+    assert pol.choose(32, True, staying(0)) == 0 and asked == [31, 0]   # every request ends here
+    assert [pol.choose(32, True, staying(32)) for _ in range(3)] == [1, 1, 0] and asked == [31, 0, 32]
+    pol._spent += 1.0   # a challenge of k = 2 that fits the budget: the same
+    assert pol._challenge(0, 2, 32, staying(12)) == 0 and not pol._queue
+    assert pol._challenge(0, 2, 32, staying(32)) == 2 and pol._queue == [2]
+    assert not SpeculationPolicy._lasting(1, staying(0)) and SpeculationPolicy._lasting(1, staying(1))
+    # a bucket timed at batch 1 only, where drafting may pay: its calibration waits the same way
+    def truth(n, b, k):
+        return 0.010 + 0.0002 * n + (k > 0) * (0.006 + 0.0002 * b) + max(k - 1, 0) * (0.004 + 0.0001 * b)
+
+    pol = _timed_at_batch_one_only(truth, seed=0)
+    pol.acceptance.observe([3] * 400, [3] * 380 + [1] * 20)
+    asked.clear()
+    assert [pol.choose(16, True, staying(n)) for n in (9, 16, 16, 16, 16, 16, 16, 16, 16, 16)] == [
+        0, 0, 0, 1, 1, 2, 2, 3, 3, 0] and asked == [9, 16]
+    assert pol._cycled == {5}
+
+
 def test_probes_in_rl_rollouts_run_in_the_tail_and_cost_less_there():
     """RL rollouts shaped like the tiny default's (a full batch of 64 for 30 steps, then a tail through every
     smaller bucket), with a head accepted at 0.45 / 0.3 / 0.2 (k = 0 is the fastest everywhere): the probes
@@ -1247,9 +1281,9 @@ def _lockstep(alphas: list[float] | Callable[[int], list[float]], seed: int, rol
     random rollout each, _random_rollout), a weight sync before each (`alphas`: the head's acceptance per
     position, or a function of the rollout giving it), each step's drafts verified by the next one (its
     acceptance observed after that step's choice), timed as the scheduler times them (settling steps to
-    observe_settle, steady steps to the cost fit, noisy with a stall now and then). The second runs its full
-    choice at every step (its fast path's records are dropped before each). `policy`: SpeculationPolicy's
-    settings beyond k_max = 3 and max_batch = 64."""
+    observe_settle, steady steps to the cost fit, noisy with a stall now and then; the requests that stay are
+    those of the next step). The second runs its full choice at every step (its fast path's records are
+    dropped before each). `policy`: SpeculationPolicy's settings beyond k_max = 3 and max_batch = 64."""
     fast, full = (SpeculationPolicy(k_max=3, max_batch=64, **policy) for _ in range(2))
     rngs = [random.Random(seed), random.Random(seed)]
     prev, drafted_by = [-1, -1], [0, 0]
@@ -1258,13 +1292,15 @@ def _lockstep(alphas: list[float] | Callable[[int], list[float]], seed: int, rol
         alphas = head(rollout)
         for pol in (fast, full):
             pol.on_new_weights()
-        for batch, steady in shape if shape is not None else _random_rollout(random.Random(seed * 1000 + rollout)):
+        steps = shape if shape is not None else _random_rollout(random.Random(seed * 1000 + rollout))
+        for at, (batch, steady) in enumerate(steps):
+            stays = steps[at + 1][0] if at + 1 < len(steps) else 0
             ks = []
             for i, pol in enumerate((fast, full)):
                 if pol is full:
                     pol._holds.clear()
                 rng = rngs[i]
-                k = pol.choose(batch, steady)
+                k = pol.choose(batch, steady, lambda stays=stays: stays)
                 settle = pol.settling if steady else -1
                 if prev[i] > 0:   # this step verifies the drafts of the one before, as the engine does
                     verified = min(batch, drafted_by[i])

@@ -32,21 +32,27 @@ def _step_seconds(batch: int, k: int) -> float:
 def _engine(policy: SpeculationPolicy, trace: PolicyTraceWriter, seed: int, rollouts: int = 25) -> list[int]:
     """Drives `policy` as the adaptive scheduler does (rollouts with prompt steps, a full batch and a draining
     tail; timings of steady steps at an unchanged k, with noise; drafts verified at the next step, accepted
-    at 0.7 per position; a weight sync between rollouts; settling steps timed apart), writing every call to
-    `trace`. Returns the k of each step."""
+    at 0.7 per position; a weight sync between rollouts; settling steps timed apart; the requests that stay
+    are those of the next step), writing every call to `trace`. Returns the k of each step."""
     rng = random.Random(seed)
     shape = [(1, False), (64, False)] + [(64, True)] * 25 + [(b, True) for b in (40, 33, 12, 4, 3, 3, 2, 1, 1)]
     ks, prev, pending = [], -1, None
     for _ in range(rollouts):
-        for batch, steady in shape:
+        for i, (batch, steady) in enumerate(shape):
+            told = []
+
+            def staying(i=i, told=told):
+                told.append(shape[i + 1][0] if i + 1 < len(shape) else 0)
+                return told[-1]
+
             if pending is not None:   # the previous step's drafts, verified by this one
                 drafts = [pending] * batch
                 accepted = [next((i for i in range(pending) if rng.random() > 0.7), pending) for _ in drafts]
                 policy.acceptance.observe(drafts, accepted)
                 policy.credit_verified(batch, drafts, accepted)
                 trace.verified(batch, drafts, accepted)
-            k = policy.choose(batch, steady)
-            trace.choose(batch, steady, k)
+            k = policy.choose(batch, steady, staying)
+            trace.choose(batch, steady, k, told[0] if told else None)
             settle = policy.settling if steady else -1
             seconds = _step_seconds(batch, k) * math.exp(rng.gauss(0.0, 0.1))
             if policy.timing_valid and steady and settle >= 0:
@@ -86,7 +92,7 @@ def test_a_replay_finds_where_a_trace_departs_from_the_policy(tmp_path):
     steps = [i for i, line in enumerate(lines) if line.startswith("C ")]
     at = steps[200]
     fields = lines[at].split()
-    lines[at] = " ".join(fields[:3] + [str((int(fields[3]) + 1) % 4)])
+    lines[at] = " ".join(fields[:3] + [str((int(fields[3]) + 1) % 4)] + fields[4:])
     (tmp_path / "k.txt").write_text("\n".join(lines))
     assert replay(read_trace(tmp_path / "k.txt")).first_mismatch == 200
     # timings the policy never saw (another engine's): the choices part from the recorded ones
