@@ -21,30 +21,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from skyrl_mtp.rollout.policy_trace import read_trace, replay
+from step_time import QUICK_OVERRIDES, run_setup  # (benchmarks/ is this script's first path entry)
 
-REPO = Path(__file__).resolve().parents[1]
-QUICK_OVERRIDES = ["trainer.warm_start.enabled=false", "trainer.train_batch_size=2", "trainer.policy_mini_batch_size=2",
-                   "generator.n_samples_per_prompt=2", "generator.sampling.max_tokens=8",
-                   "algorithm.dynamic_sampling.max_gen_rounds=1"]
+from skyrl_mtp.rollout.policy_trace import read_trace, replay
 
 
 def record(steps: int, out: Path, overrides: list[str]) -> Path:
-    """Run the tiny default `steps` RL steps with auto k and the policy trace on; returns the traces' directory."""
+    """Run the tiny default `steps` RL steps with auto k and the policy trace on, as step_time.py runs its
+    set-ups; returns the traces' directory."""
     traces = out / "traces"
-    args = [sys.executable, "-m", "skyrl_mtp.main", "recipe=tiny_dapo", f"trainer.run_dir={out / 'run'}",
-            f"trainer.total_steps={steps}", "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0",
-            "trainer.progress_bar=false", "logger.plots=false", "trainer.mtp.num_speculative_tokens=auto",
-            f"trainer.mtp.policy_trace_dir={traces}", *overrides]
-    proc = subprocess.run(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, capture_output=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"the recording run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    run_setup("run", ["trainer.mtp.num_speculative_tokens=auto", f"trainer.mtp.policy_trace_dir={traces}"], steps,
+              out, overrides)
     return traces
 
 

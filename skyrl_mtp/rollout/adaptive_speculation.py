@@ -810,7 +810,9 @@ class SpeculationPolicy:
     dropped once the batch leaves the bucket it was chosen for or a step takes prompt tokens. A rollout's
     first steps (requests arriving, one to hundreds in a few steps) would otherwise start excursions that
     are never timed, so the doubt behind them never settles and they recur at every rollout, and whose
-    second step runs at a batch many times the one their regret was charged at."""
+    second step runs at a batch many times the one their regret was charged at. Nor does one start where the
+    engine knows the step ends so many requests (at their length cap) that the next step runs in a smaller
+    bucket (`choose`'s `staying`, _lasting)."""
 
     k_max: int
     max_batch: int | None = None   # the engine's most requests per step (max_num_seqs), where known
