@@ -118,7 +118,7 @@ class TimedAdaptiveNoPolicy(TimedAdaptive):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.speculation.choose = lambda batch, steady=True: 0
+        self.speculation.choose = lambda batch, steady=True, staying=None: 0
 
     def _time_finished_step(self, now: float) -> None:
         return None
