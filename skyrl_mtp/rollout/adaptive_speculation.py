@@ -983,9 +983,8 @@ class SpeculationPolicy:
     def _lasting(batch: int, staying: Callable[[], int] | None) -> bool:
         """Does the batch stay in its bucket for the next step, as far as the engine knows? An exploration's
         second step (the one timed) is dropped when the batch leaves the bucket, so one started where the step
-        itself brings enough requests to their length cap would only pay for its first step: a rollout's
-        requests that start together reach max_tokens together, and its batch drops from 64 to a few in a step
-        or two, each small bucket passed in one step."""
+        itself brings enough requests to their length cap would only pay for its first step. A rollout's
+        requests start together, so the responses cut at max_tokens all end at one step."""
         if staying is None:
             return True
         n = staying()
