@@ -1409,3 +1409,26 @@ def test_the_adaptive_scheduler_refuses_to_shadow_a_name_vllms_scheduler_uses(mo
     monkeypatch.setattr(Scheduler, "end_step", lambda self: None, raising=False)
     with pytest.raises(AdaptiveSpeculationError, match="method `end_step`"):
         check_own_names_free(SimpleNamespace())
+
+
+def test_the_scheduler_counts_the_requests_a_step_leaves_short_of_their_length_cap():
+    """What the policy is told stays: a request this step brings to max_tokens (one token, plus every draft it
+    verifies, counted as accepted) or to the model's length ends with it; the others may run on."""
+    from types import SimpleNamespace
+
+    from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler
+
+    def req(rid, out, cap, total=20):
+        return SimpleNamespace(request_id=rid, num_output_tokens=out, max_tokens=cap, num_tokens=total)
+
+    running = [req("a", 10, 32), req("b", 31, 32), req("c", 29, 32), req("d", 5, 32, total=63), req("e", 30, 32)]
+    sched = SimpleNamespace(running=running, max_model_len=64, _staying_seen=None,
+                            _scheduled=SimpleNamespace(scheduled_spec_decode_tokens={"c": [7, 7], "e": [7]}))
+    # b: its last token; c: 29 + 1 + 2 drafts = 32; d: the model's length (63 + 1); e: 30 + 1 + 1 = 32
+    assert AdaptiveSpeculationScheduler._staying(sched) == 1 and sched._staying_seen == 1
+    running[1].max_tokens = 33
+    running[4] = req("e", 29, 32)
+    assert AdaptiveSpeculationScheduler._staying(sched) == 3
+    sched.running = [SimpleNamespace(request_id="x")]
+    with pytest.raises(AdaptiveSpeculationError, match="counts its tokens to its cap"):
+        AdaptiveSpeculationScheduler._staying(sched)
