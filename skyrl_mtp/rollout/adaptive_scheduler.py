@@ -142,8 +142,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
                 drafts.append(len(tokens))
                 accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
             batch = len(scheduler_output.num_scheduled_tokens)
-            self.speculation.acceptance.observe(drafts, accepted)
-            self.speculation.credit_verified(batch, drafts, accepted)
+            self.speculation.observe_verified(batch, drafts, accepted)
             if self._trace is not None:
                 self._trace.verified(batch, drafts, accepted)
         return super().update_from_output(scheduler_output, model_runner_output)

@@ -1258,6 +1258,13 @@ class SpeculationPolicy:
         """The engine got new weights: the acceptance seen so far was the old head's (and target's)."""
         self.acceptance.refresh(self.refresh_attempts)
 
+    def observe_verified(self, batch: int, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """What a verify step of `batch` requests tells the policy: the acceptance per position, and the engine
+        time its accepted drafts saved (credit_verified). The engine core's scheduler and a trace's replay
+        both feed it through here."""
+        self.acceptance.observe(num_drafts, num_accepted)
+        self.credit_verified(batch, num_drafts, num_accepted)
+
     def credit_verified(self, batch: int, num_drafts: list[int], num_accepted: list[int]) -> float:
         """One verify step of `batch` requests (per request that carried drafts: drafts scheduled, drafts
         accepted): add what it saved (step_savings at the fitted costs of its batch) to `seconds_saved`, and

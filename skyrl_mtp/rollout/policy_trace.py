@@ -166,20 +166,21 @@ def replay(trace: PolicyTrace) -> Replay:
     choose_s = feed_s = 0.0
     for call in trace.calls:
         kind = call[0]
-        t = clock()
         if kind == "C":
-            k = choose(call[1], call[2], _answer(call[4], out, len(ks)))
+            ask = _answer(call[4], out, len(ks))   # (made before the clock starts: the engine makes none)
+            t = clock()
+            k = choose(call[1], call[2], ask)
             choose_s += clock() - t
             ks.append(k)
             recorded.append(call[3])
             continue
+        t = clock()
         if kind == "O":
             cost.observe(call[1], call[2], call[3], call[4])
         elif kind == "S":
             policy.observe_settle(call[1], call[2], call[3], call[4])
         elif kind == "V":
-            policy.acceptance.observe(call[2], call[3])
-            policy.credit_verified(call[1], call[2], call[3])
+            policy.observe_verified(call[1], call[2], call[3])
         else:
             policy.on_new_weights()
         feed_s += clock() - t
