@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .capture import CapturedMTPInputs
+from skyrl_mtp.mtp.capture import CapturedMTPInputs
 
 
 @dataclass
@@ -72,7 +72,7 @@ def draft_positions(loss_mask: torch.Tensor, depth: int, segment_ids, input_ids:
                     position_fraction: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) of the positions whose depth-``depth`` draft is trained: the draft mask, thinned to
     ``position_fraction`` of them (position_subset)."""
-    from .masks import draft_position_mask
+    from skyrl_mtp.mtp.masks import draft_position_mask
 
     mask = draft_position_mask(loss_mask, depth, segment_ids)
     if position_fraction < 1.0:
@@ -109,11 +109,11 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from ..models.families.megatron_common import mtp_inner_layer_name
+    from skyrl_mtp.models.families.megatron_common import mtp_inner_layer_name
 
     inner = mtp_inner_layer_name()
     if inputs is None:
-        from ..policy.megatron.model_builder import family_of_model
+        from skyrl_mtp.policy.megatron.model_builder import family_of_model
 
         inputs = family_of_model(model).mtp_replay_inputs
     layers = model.mtp.layers
@@ -160,7 +160,7 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    from .draft_losses import chunk_tokens, chunked_draft_loss, draft_loss
+    from skyrl_mtp.mtp.draft_losses import chunk_tokens, chunked_draft_loss, draft_loss
 
     tp_group, tp_rank, tp_size = _tp_info()
     v_local = policy_logits.shape[-1]

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from skyrl_mtp.allowed import MTP_LOSS_CHUNK_AUTO_ELEMENTS, MTP_LOSS_CHUNK_SIZE_ALLOWED, is_chunk_size
-
-from . import vocab_parallel as vp
+from skyrl_mtp.mtp import vocab_parallel as vp
 
 DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
 

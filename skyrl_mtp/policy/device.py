@@ -100,6 +100,6 @@ def activate(dev: RankDevice) -> None:
     if dev.is_cuda:
         torch.cuda.set_device(dev.device)
     else:
-        from .megatron.cpu_shim import apply_cpu_shim
+        from skyrl_mtp.policy.megatron.cpu_shim import apply_cpu_shim
 
         apply_cpu_shim(force=True)

@@ -11,20 +11,20 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from .batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
-from .config import PolicyWorkerConfig
-from .device import rank_device
-from .megatron import checkpoint as ckpt
-from .megatron.hf_bridge import load_into_model
-from .megatron.model_builder import (
+from skyrl_mtp.policy.batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
+from skyrl_mtp.policy.config import PolicyWorkerConfig
+from skyrl_mtp.policy.device import rank_device
+from skyrl_mtp.policy.megatron import checkpoint as ckpt
+from skyrl_mtp.policy.megatron.hf_bridge import load_into_model
+from skyrl_mtp.policy.megatron.model_builder import (
     ModelBuildError,
     build_gpt_model,
     model_args_from_checkpoint,
     resolve_mtp_layers,
 )
-from .megatron.optimizers import HEAD_PREFIX, TorchSideOptimizer, lr_scheduler, split_params
-from .megatron.parallel_state import init_distributed
-from .megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_tp_shard_into
+from skyrl_mtp.policy.megatron.optimizers import HEAD_PREFIX, TorchSideOptimizer, lr_scheduler, split_params
+from skyrl_mtp.policy.megatron.parallel_state import init_distributed
+from skyrl_mtp.policy.megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_tp_shard_into
 
 POLICY_LOSSES = tuple(REQUIRED_TRAIN_KEYS)  # "dapo" (RL), "sft" (warm start)
 WEIGHT_STREAMS = ("main", "draft")  # iter_hf_weights: the target model's tensors / the MTP head's
@@ -93,7 +93,7 @@ class MegatronPolicy:
         hf = LazyHFCheckpoint(hf_path)
         self.weight_rules = check_checkpoint(hf, self.args, self.mtp_layers)
         self._hf_shapes = {n: hf.shape(n) for r in self.weight_rules.values() for n in r.hf_names}
-        from ..mtp.native_loss_patch import disable_native_mtp_loss
+        from skyrl_mtp.mtp.native_loss_patch import disable_native_mtp_loss
 
         self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
@@ -121,7 +121,7 @@ class MegatronPolicy:
         self.head_opt = self.head_sched = None
         self.capture = None
         if self.mtp_layers > 0:
-            from ..mtp.capture import MTPInputCapture
+            from skyrl_mtp.mtp.capture import MTPInputCapture
 
             self.head_opt = self.head_side.torch_optimizer
             self.head_sched = lr_scheduler(self.head_opt, schedule=cfg.head_lr_schedule,
@@ -139,7 +139,7 @@ class MegatronPolicy:
                    grad_clip=cfg.head_grad_clip)
         head_params = self.head_params if self.mtp_layers > 0 else []
         if self.device.megatron_optimizer:
-            from .megatron.distributed_optimizer import build_megatron_side_optimizers
+            from skyrl_mtp.policy.megatron.distributed_optimizer import build_megatron_side_optimizers
 
             return build_megatron_side_optimizers(self.model, self.policy_params, head_params, policy_kw=pkw,
                                                   head_kw=hkw)
@@ -157,7 +157,7 @@ class MegatronPolicy:
 
     def _check_packing(self, batch: dict) -> None:
         if batch.get("segment_ids") is not None and not self.args.family.supports_packed_sequences:
-            from .batch_layout import BatchError
+            from skyrl_mtp.policy.batch_layout import BatchError
 
             raise BatchError(f"batch['segment_ids'] (packed sequences) cannot be used with a {self.args.family.name} "
                              "model: its mixers do not respect segment boundaries; allowed: one sequence per row")
@@ -188,7 +188,7 @@ class MegatronPolicy:
         if name == "sft":
             loss = -(lp * mb["loss_mask"].to(lp.dtype)).sum() / counts["tokens"]
             return loss, {}
-        from ..algorithms.policy_loss import dapo_policy_loss
+        from skyrl_mtp.algorithms.policy_loss import dapo_policy_loss
 
         loss, metrics = dapo_policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                                          global_num_tokens=counts["tokens"], **kw)
@@ -227,7 +227,7 @@ class MegatronPolicy:
                   "sequences": max(self._global_sum(_sequences_with_tokens(batch["loss_mask"])), 1.0)}
         spec, n_draft = None, 0.0
         if head_on:
-            from ..mtp.draft_head import DraftLossSpec, draft_normaliser
+            from skyrl_mtp.mtp.draft_head import DraftLossSpec, draft_normaliser
 
             spec = DraftLossSpec(self.cfg.mtp_loss_type, depths, self.cfg.mtp_loss_topk,
                                  self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction,
@@ -254,7 +254,7 @@ class MegatronPolicy:
                 if self.capture is not None:
                     self.capture.clear()
                 continue
-            from ..mtp.draft_head import compute_draft_loss
+            from skyrl_mtp.mtp.draft_head import compute_draft_loss
 
             t_head = self.device.clock()
             res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
@@ -330,7 +330,7 @@ class MegatronPolicy:
     def _export_hf_streaming(self, ckpt_dir: str) -> None:
         """The HF export of a checkpoint, written tensor by tensor from the TP-gathered stream (rank 0
         writes; every TP rank iterates); the draft-head export keeps only the (small) MTP tensors."""
-        from .megatron.hf_export import write_safetensors_stream
+        from skyrl_mtp.policy.megatron.hf_export import write_safetensors_stream
 
         draft: dict[str, torch.Tensor] = {}
         want_draft = self.cfg.export_draft_head and self.mtp_layers > 0
@@ -387,7 +387,7 @@ class MegatronPolicy:
         self.step = int(state["step"])
 
     def shutdown(self) -> None:
-        from .megatron.parallel_state import destroy_distributed
+        from skyrl_mtp.policy.megatron.parallel_state import destroy_distributed
 
         if self.capture:
             self.capture.remove()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ray
 
-from ..net import claim_held, rehold
-from ..rollout.weight_transfer.policy_link import PolicySenderMixin
-from .megatron_policy import MegatronPolicy
+from skyrl_mtp.net import claim_held, rehold
+from skyrl_mtp.policy.megatron_policy import MegatronPolicy
+from skyrl_mtp.rollout.weight_transfer.policy_link import PolicySenderMixin
 
 
 def node_address() -> str:

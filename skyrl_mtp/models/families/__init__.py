@@ -9,9 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .base import ModelBuildError, ModelFamily, MTPReplayInputs, WeightMappingError, WeightRule
-from .mimo import MIMO
-from .qwen3_5 import QWEN3_5
+from skyrl_mtp.models.families.base import (
+    ModelBuildError,
+    ModelFamily,
+    MTPReplayInputs,
+    WeightMappingError,
+    WeightRule,
+)
+from skyrl_mtp.models.families.mimo import MIMO
+from skyrl_mtp.models.families.qwen3_5 import QWEN3_5
 
 FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5)
 

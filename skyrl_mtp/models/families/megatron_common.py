@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .base import ModelBuildError
+from skyrl_mtp.models.families.base import ModelBuildError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (
+from skyrl_mtp.models.families.base import (
     ModelBuildError,
     ModelFamily,
     MTPReplayInputs,
@@ -24,7 +24,7 @@ from .base import (
     split_rule,
     swap_halves_rule,
 )
-from .megatron_common import (
+from skyrl_mtp.models.families.megatron_common import (
     check_divisible,
     check_dtype,
     common_config_kwargs,

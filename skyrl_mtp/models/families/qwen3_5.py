@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (
+from skyrl_mtp.models.families.base import (
     ModelBuildError,
     ModelFamily,
     MTPReplayInputs,
@@ -34,7 +34,7 @@ from .base import (
     sections_rule,
     split_rule,
 )
-from .megatron_common import (
+from skyrl_mtp.models.families.megatron_common import (
     check_divisible,
     check_dtype,
     common_config_kwargs,
@@ -156,7 +156,7 @@ def _layer_specs():
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .torch_kernels import OffsetRMSNorm, PlainRMSNorm
+    from skyrl_mtp.models.families.torch_kernels import OffsetRMSNorm, PlainRMSNorm
 
     class Backend(LocalSpecProvider):
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
@@ -205,7 +205,7 @@ class Qwen35Family(ModelFamily):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        from .torch_kernels import OffsetRMSNorm, enable_torch_gated_delta_net
+        from skyrl_mtp.models.families.torch_kernels import OffsetRMSNorm, enable_torch_gated_delta_net
 
         if mtp_num_layers > 1:
             raise ModelBuildError(f"mtp_num_layers={mtp_num_layers}: Qwen3.5 checkpoints share one fc/norm set "
@@ -304,7 +304,7 @@ class Qwen35Family(ModelFamily):
         return out
 
     def prepare_vllm_import(self) -> None:
-        from .vllm_import import allow_qwen3_5_import, register_vllm_models
+        from skyrl_mtp.models.families.vllm_import import allow_qwen3_5_import, register_vllm_models
 
         allow_qwen3_5_import()
         register_vllm_models()

@@ -13,7 +13,7 @@ import importlib.util
 
 import torch
 
-from .base import ModelBuildError
+from skyrl_mtp.models.families.base import ModelBuildError
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:

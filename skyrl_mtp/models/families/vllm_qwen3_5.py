@@ -4,7 +4,7 @@ vLLM's registry points the Qwen3.5 architectures here (``register_vllm_models``)
 that resolves them (the model-inspection subprocess included) installs the alias before importing them.
 """
 
-from .vllm_import import allow_qwen3_5_import
+from skyrl_mtp.models.families.vllm_import import allow_qwen3_5_import
 
 allow_qwen3_5_import()
 

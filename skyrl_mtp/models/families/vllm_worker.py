@@ -6,7 +6,7 @@ vLLM imports the worker extension class first. The project's engines get this th
 rollout/worker_extension.py; a bare ``vllm.LLM`` (tests, scripts) names this class instead.
 """
 
-from . import prepare_vllm_worker
+from skyrl_mtp.models.families import prepare_vllm_worker
 
 PREPARED_FAMILY = prepare_vllm_worker()
 

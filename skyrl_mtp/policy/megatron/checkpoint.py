@@ -50,7 +50,7 @@ def export_hf(out_dir: str | Path, hf_weights: dict[str, torch.Tensor], src_hf_d
 def export_draft_head(out_dir: str | Path, hf_weights: dict[str, torch.Tensor], src_hf_dir: str | Path) -> Path:
     """The MTP head alone (its family's MTP tensors, e.g. MiMo's ``model.mtp_layers.*``) plus config.json; it
     shares embedding/lm_head with the target."""
-    from ...models.families import family_for_checkpoint
+    from skyrl_mtp.models.families import family_for_checkpoint
 
     family = family_for_checkpoint(src_hf_dir)
     out = Path(out_dir)

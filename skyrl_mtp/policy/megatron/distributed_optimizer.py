@@ -88,7 +88,7 @@ def _device_scope(params: list[torch.nn.Parameter]):
     if devices == {"cuda"}:
         return nullcontext
     if devices == {"cpu"}:
-        from .cpu_shim import megatron_optimizer_on_cpu
+        from skyrl_mtp.policy.megatron.cpu_shim import megatron_optimizer_on_cpu
 
         return megatron_optimizer_on_cpu
     raise MegatronOptimizerError(f"a side's parameters must all be on one device type, got {sorted(devices)}")

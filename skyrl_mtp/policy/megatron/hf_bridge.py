@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models.families.base import WeightMappingError, WeightRule, chunk
+from skyrl_mtp.models.families.base import WeightMappingError, WeightRule, chunk
 
 __all__ = ["WeightMappingError", "hf_to_megatron", "load_into_model", "megatron_to_hf", "model_params", "name_map",
            "weight_rules"]

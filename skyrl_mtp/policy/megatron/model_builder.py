@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...models.families import ModelBuildError, ModelFamily, family_for_config, read_hf_config
-from ...models.families.mimo import HFModelArgs
+from skyrl_mtp.models.families import ModelBuildError, ModelFamily, family_for_config, read_hf_config
+from skyrl_mtp.models.families.mimo import HFModelArgs
 
 __all__ = ["HFModelArgs", "ModelBuildError", "build_gpt_model", "family_of_model", "model_args_from_checkpoint",
            "model_args_from_config", "resolve_mtp_layers"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ...models.families.base import WeightMappingError
+from skyrl_mtp.models.families.base import WeightMappingError
 
 
 class LazyHFCheckpoint(Mapping):
