@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup test test-avx2 test-megatron-0.19 cpu-isa test-unit run lint clean-venv
+.PHONY: setup test test-avx2 test-megatron-0.19 cpu-isa test-unit run lint lint-imports clean-venv
 
 setup: $(STAMP)
 
@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import vllm, megatron.core, ray; print('setup ok: vllm', vllm.__version__, '| megatron-core', megatron.core.__version__, '| ray', ray.__version__)"
 	touch $(STAMP)
 
-test: setup cpu-isa
+test: setup cpu-isa lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The layering contracts of pyproject.toml ([tool.importlinter]): imports run downwards only, no cycles.
+lint-imports: setup
+	$(BIN)/lint-imports
 
 # The host's vector ISA and the vLLM kernel build vLLM maps for it (first lines of every test log).
 cpu-isa: setup
-	-$(BIN)/python -m skyrl_mtp.rollout.vllm_cpu_kernels
+	-$(BIN)/python -m skyrl_mtp.vllm_patches.cpu_kernels
 
 # The whole suite on vLLM's AVX2 kernels, on any x86-64 host: every process (Ray workers and vLLM's
 # subprocesses included) sees torch report a CPU without AVX-512, which is what vLLM's choice reads.
@@ -54,7 +58,7 @@ test-unit: setup
 run: setup
 	$(BIN)/skyrl-mtp recipe=tiny_dapo $(ARGS)
 
-lint: setup
+lint: setup lint-imports
 	$(BIN)/ruff check skyrl_mtp tests benchmarks scripts
 
 clean-venv:

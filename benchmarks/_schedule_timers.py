@@ -24,7 +24,7 @@ from typing import Any
 import vllm.v1.core.kv_cache_coordinator as kcc
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from skyrl_mtp.rollout.adaptive_scheduler import AdaptiveSpeculationScheduler
+from skyrl_mtp.speculation.scheduler_hook import AdaptiveSpeculationScheduler
 
 _vllm_schedule = Scheduler.schedule
 

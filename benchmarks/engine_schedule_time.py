@@ -1,7 +1,7 @@
 """What the engine core costs per plain decode step and per prompt step: no spec, auto k, auto k without the memo or the policy.
 
 An auto-k engine that has stopped drafting should cost what a no-spec engine costs. Its steps then run
-the same model work (rollout/adaptive_speculation.py runs them as vLLM's no-spec steps), but the engine
+the same model work (speculation/policy.py runs them as vLLM's no-spec steps), but the engine
 core still schedules them with a speculative config and asks the speculation policy for k. This times that
 part on the tiny default's engine, per engine step, as thread CPU time in the engine core (_schedule_timers):
 
@@ -18,7 +18,7 @@ part on the tiny default's engine, per engine step, as thread CPU time in the en
 
 Set-ups: `no_spec` (trainer.mtp.enabled=false), `auto` (trainer.mtp.num_speculative_tokens=auto, as
 shipped), `auto_unmemoized` (the same, with vLLM's replay boundaries computed per request and step, as
-vLLM 0.32 does once a drafter is configured; rollout/kv_replay_cache.py memoizes them), `auto_no_policy`
+vLLM 0.32 does once a drafter is configured; vllm_patches/kv_replay_cache.py memoizes them), `auto_no_policy`
 (auto's engine and scheduler with the speculation policy's code taken out: k = 0 on every step, no step
 timing for its cost model; against `auto`, what the policy's own work costs a step, and against `no_spec`,
 what an auto engine costs without it). Each repeat runs
@@ -64,12 +64,12 @@ def child(setup: str, rounds: int, batch: int, max_tokens: int, out_prefix: str)
     timer's dump; the first dump, after the warm-up rollout, is the baseline the others are counted from)."""
     from dataclasses import fields
 
-    from skyrl_mtp.config import build
     from skyrl_mtp.config.loader import load_config
     from skyrl_mtp.rollout.config import EngineConfig
     from skyrl_mtp.rollout.engine import InferenceEngine
     from skyrl_mtp.rollout.sampling import SamplingSpec
     from skyrl_mtp.runtime_env import configure_offline_caches
+    from skyrl_mtp.trainer import run_plan as build
     from skyrl_mtp.trainer.launch import resolve_model
 
     overrides, scheduler_cls = SETUPS[setup]

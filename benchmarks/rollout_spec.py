@@ -8,7 +8,7 @@ against no speculative decoding, on a model big enough that CPU decoding is not 
 Every head gets one engine per k (and a no-spec one: the checkpoints' trunks differ), all alive at once;
 at every batch size in turn (--batches; max_num_seqs is the largest) they are timed round-robin, one
 rollout each per round, the order rotated every round. k = "auto" is adaptive speculation
-(rollout/adaptive_speculation.py: k per engine step from the running batch, live acceptance and
+(speculation/policy.py: k per engine step from the running batch, live acceptance and
 on-engine timings, up to --auto-max); its row carries the mean k it chose (`k_mean`), measured once the
 engine's first calibration cycles are done (an RL run pays them once per engine: the warm-up repeats
 until they are). Every row says whether its tokens equal its head's no-spec engine's
@@ -163,7 +163,7 @@ def warm_up(engine: EngineProcess, prompts, sampling: dict) -> None:
     cycles are done: an RL run pays them once per engine, not per rollout."""
     engine.call("generate", prompts, sampling)
     if engine.adaptive:
-        from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
+        from skyrl_mtp.speculation.policy import SpeculationPolicy
 
         warmup_steps = SpeculationPolicy(k_max=len(engine.call("adaptive_stats")["k_histogram"]) - 1).warmup_steps
         for _ in range(16):

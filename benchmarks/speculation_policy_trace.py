@@ -1,7 +1,7 @@
 """Replays engine cores' policy traces: checks the k of every step, and times the policy's calls.
 
 An RL run with `trainer.mtp.num_speculative_tokens=auto trainer.mtp.policy_trace_dir=DIR` leaves one trace per
-engine core in DIR (rollout/policy_trace.py): every call its scheduler made to the speculation policy. This
+engine core in DIR (speculation/trace.py): every call its scheduler made to the speculation policy. This
 feeds each trace to a fresh policy of the current code, `--repeats` times, and reports:
 
 - `all_k_match`: whether the replay chose the k the engine ran at every step (`first_mismatch`: the first step
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from step_time import QUICK_OVERRIDES, run_setup  # (benchmarks/ is this script's first path entry)
 
-from skyrl_mtp.rollout.policy_trace import read_trace, replay
+from skyrl_mtp.speculation.trace import read_trace, replay
 
 
 def record(steps: int, out: Path, overrides: list[str]) -> Path:

@@ -1,7 +1,7 @@
 """RL step time on the tiny default, split into generate / reward / train / sync, for these set-ups:
 
 - spec_auto:      the product with trainer.mtp.num_speculative_tokens=auto: k per engine step chosen from
-                  the running batch, live acceptance and on-engine timings (rollout/adaptive_speculation.py);
+                  the running batch, live acceptance and on-engine timings (speculation/policy.py);
                   the head trains the depths the engines drafted, as often as their drafts' savings
                   plus trainer.mtp.idle_head_train_budget of the step time pay for (head_depths,
                   head_trained_share, and head_cost_s: its training and push per measured step),

@@ -95,7 +95,7 @@ def run(a) -> dict:
 
     from skyrl_mtp.net import free_port
     from skyrl_mtp.policy.config import PolicyWorkerConfig
-    from skyrl_mtp.policy.device import rank_device
+    from skyrl_mtp.policy.megatron.device import rank_device
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy
     from skyrl_mtp.policy.synthetic_batch import random_dapo_batch
 

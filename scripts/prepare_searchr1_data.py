@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from skyrl_mtp.data.search_protocol import INSTRUCTION_STYLES
 from skyrl_mtp.data.search_task import FORMATS, SearchTaskSpec, make_searchr1_row, write_search_task
-from skyrl_mtp.envs.search_tool import INSTRUCTION_STYLES
 
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".json")
 OUTPUT_SUFFIXES = (".parquet", ".jsonl")

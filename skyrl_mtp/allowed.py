@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from skyrl_mtp.errors import problem  # noqa: F401 - the one formatter, re-exported beside the tables
+
 DRAFT_LOSS_TYPES = ("soft_ce", "hard_ce", "topk_soft_ce", "tv")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")   # vLLM's SpeculativeConfig.draft_sample_method
 ADVANTAGE_ESTIMATORS = ("grpo",)
@@ -50,8 +52,3 @@ def is_explore_budget(value: Any) -> bool:
 def is_chunk_size(value: Any) -> bool:
     """A valid draft-loss chunk size: an int >= 0, or "auto"."""
     return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
-
-
-def problem(key: str, value: Any, allowed: str) -> str:
-    """One bad-value message: the key as the user (or caller) wrote it, the value, and what is allowed."""
-    return f"{key}={value!r} is invalid: {allowed}"

@@ -9,6 +9,6 @@ masks AVX-512 out of torch's CPU capability report before anything imports vLLM,
 import os
 
 if os.environ.get("SKYRL_MTP_VLLM_CPU_ISA"):
-    from skyrl_mtp.rollout.vllm_cpu_kernels import apply_isa_override
+    from skyrl_mtp.vllm_patches.cpu_kernels import apply_isa_override
 
     apply_isa_override(os.environ["SKYRL_MTP_VLLM_CPU_ISA"])

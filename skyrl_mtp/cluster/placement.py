@@ -24,11 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_mtp.config.errors import problem
-
-
-class PlacementError(ValueError):
-    """The requested layout is impossible, in itself or on this cluster; the message has the numbers."""
+from skyrl_mtp.errors import PlacementError
 
 
 @dataclass(frozen=True)
@@ -66,51 +62,8 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def placement_problems(cfg: Any) -> list[str]:
-    """Problems of the requested layout itself (no cluster needed); empty when consistent.
-
-    Assumes the range checks of validate_config (counts >= 1, gpus >= 0) already hold.
-    """
-    pl = cfg.trainer.placement
-    engines, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
-    workers = int(pl.policy_num_workers)
-    ge, gw = pl.gpus_per_engine, pl.gpus_per_policy_worker
-    out: list[str] = []
-    if (ge > 0) != (gw > 0):
-        out.append(problem("trainer.placement.gpus_per_engine" if ge == 0 else "trainer.placement.gpus_per_policy_worker",
-                           ge if ge == 0 else gw,
-                           f"engines and policy workers must both use GPUs or both use CPUs (gpus_per_engine={ge}, "
-                           f"gpus_per_policy_worker={gw}); the NCCL weight sync needs both on GPUs"))
-        return out
-    if ge == 0:
-        return out
-    if ge != tp:
-        out.append(problem("trainer.placement.gpus_per_engine", ge,
-                           f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
-                           "engine), or 0 for CPU engines"))
-    if gw != 1:
-        out.append(problem("trainer.placement.gpus_per_policy_worker", gw,
-                           "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers"))
-    if pl.colocate and engines * tp != workers:
-        out.append(problem("trainer.placement.colocate", True,
-                           f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
-                           f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
-                           "hosts one policy rank and one engine rank); or set colocate=false for separate pools"))
-    return out
-
-
 def build_plan(cfg: Any) -> PlacementPlan:
-    """The bundle plan of a consistent config (raises PlacementError listing what is inconsistent)."""
-    problems = placement_problems(cfg)
-    if problems:
-        raise PlacementError("invalid placement:\n" + "\n".join(f"  - {p}" for p in problems))
+    """The bundle plan of a validated config (config/validation.py checks the layout's consistency)."""
     pl = cfg.trainer.placement
     n_eng, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
     n_pol = int(pl.policy_num_workers)

@@ -36,7 +36,7 @@ from skyrl_mtp.cluster.job_spec import (
     resolve_auth_token,
     run_dir_warning,
 )
-from skyrl_mtp.config.errors import ConfigError
+from skyrl_mtp.errors import ConfigError
 
 PROG = "skyrl-mtp-submit"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")

@@ -23,9 +23,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from skyrl_mtp.config.errors import ConfigError, problem
 from skyrl_mtp.config.schema import SkyRLConfig
 from skyrl_mtp.config.validation import validate_config
+from skyrl_mtp.errors import ConfigError, problem
 
 CONFIG_DIR = Path(__file__).resolve().parent
 REPO_RECIPE_DIR = CONFIG_DIR.parents[1] / "recipes"
@@ -232,7 +232,7 @@ def _explain_hydra_error(err: Exception) -> str:
 
 
 def load_config(overrides: list[str] | None = None) -> DictConfig:
-    """The validated config of a run; components get their settings from it via skyrl_mtp.config.build."""
+    """The validated config of a run; components get their settings from it via skyrl_mtp.trainer.run_plan."""
     cfg = compose_config(overrides)
     validate_config(cfg)
     return cfg

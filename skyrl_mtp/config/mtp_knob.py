@@ -2,7 +2,7 @@
 
 `trainer.mtp` says, once, whether the model drafts with its MTP head and how the head is trained.
 Nothing is derived into other user keys: the engines' speculative config and the workers' draft-loss
-settings are built from `trainer.mtp` by `skyrl_mtp.config.build`. The one low-level key that can
+settings are built from `trainer.mtp` by `skyrl_mtp.trainer.run_plan`. The one low-level key that can
 contradict it, `megatron.mtp_num_layers`, is checked here.
 """
 
@@ -16,7 +16,7 @@ from skyrl_mtp.allowed import (
     EXPLORE_BUDGET_ALLOWED,
     is_explore_budget,
 )
-from skyrl_mtp.config.errors import problem
+from skyrl_mtp.errors import problem
 
 
 def mtp_problems(cfg: DictConfig) -> list[str]:

@@ -67,11 +67,11 @@ class MTPConfig:
     idle_head_train_budget: float = 0.01
     # num_speculative_tokens=auto: the share of the engines' time the choice of k may spend exploring (probes
     # of other ks, challenges of a k that may be better, timing each new batch size at every k), charged at
-    # what each exploration is predicted to cost beyond the best k (rollout/adaptive_speculation.py). It is
+    # what each exploration is predicted to cost beyond the best k (speculation/policy.py). It is
     # what lets the engines notice a head that got better; 0 explores only where that is predicted free.
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     # num_speculative_tokens=auto: a directory where every engine core writes each call its scheduler makes to
-    # the policy choosing k (one file per engine process, rollout/policy_trace.py), for an exact replay of
+    # the policy choosing k (one file per engine process, speculation/trace.py), for an exact replay of
     # its choices (benchmarks/speculation_policy_trace.py); null writes nothing
     policy_trace_dir: str | None = None
 
@@ -184,7 +184,7 @@ class GeneratorConfig:
     dtype: str = "float32"
     cpu_sampling_fix: bool = True
     # CPU: a request's t-th token is sampled with noise keyed to t, whatever was drafted, so seeded
-    # rollouts do not depend on the MTP head (acceptance law unchanged). See rollout/draft_invariant_sampling.py.
+    # rollouts do not depend on the MTP head (acceptance law unchanged). See vllm_patches/draft_invariant_sampling.py.
     draft_invariant_sampling: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

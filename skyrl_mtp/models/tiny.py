@@ -67,42 +67,56 @@ class TinyModelSpec:
     family: str = "mimo"
 
     def __post_init__(self) -> None:
-        def bad(name, allowed):
+        bad = spec_problems(self)
+        if bad:
+            name, allowed = bad[0]
             raise ValueError(f"TinyModelSpec.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
-
-        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                bad(name, "an integer >= 1")
-        if self.vocab < 300:
-            bad("vocab", "an integer >= 300 (256 byte symbols + special tokens + merges)")
-        if self.mtp_layers < 0:
-            bad("mtp_layers", "an integer >= 0")
-        if self.hidden % self.heads:
-            bad("heads", f"a divisor of hidden={self.hidden}")
-        if self.heads % self.kv_heads:
-            bad("kv_heads", f"a divisor of heads={self.heads}")
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            bad("heads", f"a count giving head_dim=hidden/heads in {SUPPORTED_HEAD_DIMS} (vLLM CPU attention)")
-        if self.head not in HEADS:
-            bad("head", HEADS)
-        if self.head != "random" and (self.mtp_layers < 1 or self.tie_word_embeddings):
-            bad("head", "'random' unless mtp_layers >= 1 and tie_word_embeddings is false "
-                        "(oracle/partial/trigram heads need an untied lm_head built from the embeddings)")
-        if not isinstance(self.sharpness, (int, float)) or not self.sharpness > 0:
-            bad("sharpness", "a number > 0")
-        if not 0.0 < self.partial_agreement < 1.0:
-            bad("partial_agreement", "a float in (0, 1)")
-        if self.family not in FAMILIES:
-            bad("family", FAMILIES)
-        if self.family == "qwen3_5":
-            if self.head != "random":
-                bad("head", "'random' for family 'qwen3_5' (oracle/partial/trigram heads are built for the MiMo layout)")
-            if self.mtp_layers > 1:
-                bad("mtp_layers", "0 or 1 for family 'qwen3_5' (one shared MTP layer)")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+def spec_problems(spec) -> list[tuple[str, str]]:
+    """(field, what is allowed) for every rule a tiny model's fields break. `spec` is a TinyModelSpec or any
+    object with its fields: the run config checks `model.tiny.*` with it and reports each problem by key."""
+    out: list[tuple[str, str]] = []
+
+    def bad(name, allowed):
+        out.append((name, str(allowed)))
+
+    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate"):
+        if not isinstance(getattr(spec, name), int) or getattr(spec, name) < 1:
+            bad(name, "an integer >= 1")
+    if out:
+        return out
+    if spec.vocab < 300:
+        bad("vocab", "an integer >= 300 (256 byte symbols + special tokens + merges)")
+    if spec.mtp_layers < 0:
+        bad("mtp_layers", "an integer >= 0")
+    if spec.hidden % spec.heads:
+        bad("heads", f"a divisor of hidden={spec.hidden}")
+    elif spec.hidden // spec.heads not in SUPPORTED_HEAD_DIMS:
+        bad("heads", f"a count giving head_dim=hidden/heads in {SUPPORTED_HEAD_DIMS} (vLLM CPU attention)")
+    if spec.heads % spec.kv_heads and all(name != "heads" for name, _ in out):   # blamed on heads only
+        bad("kv_heads", f"a divisor of heads={spec.heads}")
+    if spec.head not in HEADS:
+        bad("head", HEADS)
+    elif spec.head != "random" and (spec.mtp_layers < 1 or spec.tie_word_embeddings):
+        bad("head", "'random' unless mtp_layers >= 1 and tie_word_embeddings is false "
+                    "(oracle/partial/trigram heads need an untied lm_head built from the embeddings)")
+    if not isinstance(spec.sharpness, (int, float)) or not spec.sharpness > 0:
+        bad("sharpness", "a number > 0")
+    if not 0.0 < spec.partial_agreement < 1.0:
+        bad("partial_agreement", "a float in (0, 1)")
+    if spec.family not in FAMILIES:
+        bad("family", FAMILIES)
+    if spec.family == "qwen3_5":
+        if spec.head != "random":
+            bad("head", "'random' for family 'qwen3_5' (oracle/partial/trigram heads are built for the MiMo layout)")
+        if spec.mtp_layers > 1:
+            bad("mtp_layers", "0 or 1 for family 'qwen3_5' (one shared MTP layer)")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer

@@ -113,7 +113,7 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
 
     inner = mtp_inner_layer_name()
     if inputs is None:
-        from skyrl_mtp.policy.megatron.model_builder import family_of_model
+        from skyrl_mtp.models.families import family_of_model
 
         inputs = family_of_model(model).mtp_replay_inputs
     layers = model.mtp.layers

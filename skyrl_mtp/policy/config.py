@@ -1,6 +1,6 @@
 """Typed, validated configuration of a Megatron policy worker (policy + decoupled MTP head).
 
-A run builds it from its config with `skyrl_mtp.config.build.policy_worker_config` (the one place that
+A run builds it from its config with `skyrl_mtp.trainer.run_plan.policy_worker_config` (the one place that
 maps run keys to these fields). The policy's optimizer fields are `weight_decay`, `betas`, `eps`,
 `lr_warmup_steps`, `lr_schedule`; the head's are the `head_*` ones; both decay over `lr_decay_steps`.
 """

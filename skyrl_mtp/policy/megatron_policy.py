@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from skyrl_mtp.policy.batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
 from skyrl_mtp.policy.config import PolicyWorkerConfig
-from skyrl_mtp.policy.device import rank_device
 from skyrl_mtp.policy.megatron import checkpoint as ckpt
+from skyrl_mtp.policy.megatron.device import rank_device
 from skyrl_mtp.policy.megatron.hf_bridge import load_into_model
 from skyrl_mtp.policy.megatron.model_builder import (
     ModelBuildError,

@@ -6,7 +6,7 @@ import ray
 
 from skyrl_mtp.net import claim_held, rehold
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy
-from skyrl_mtp.rollout.weight_transfer.policy_link import PolicySenderMixin
+from skyrl_mtp.weight_sync.policy_link import PolicySenderMixin
 
 
 def node_address() -> str:

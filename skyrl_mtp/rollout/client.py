@@ -4,7 +4,7 @@ It validates requests before they reach an engine, spreads prompts over engines 
 counted in sequences in flight), owns the acceptance metrics window (counters summed over engines),
 and the engines' side of the weight sync: what a sync carries, the colocation sleep/wake calls, and a
 driver-side push of weights held in memory (tests, CPU) through the same vLLM weight-transfer calls
-the policy's ranks make every step (rollout/weight_transfer/policy_link.py).
+the policy's ranks make every step (weight_sync/policy_link.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from skyrl_mtp.rollout.config import EngineConfig, check_checkpoint, check_engin
 from skyrl_mtp.rollout.engine import InferenceEngine
 from skyrl_mtp.rollout.sampling import GenerationOutput, SamplingSpec, validate_prompts
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, SpecMetricsWindow, sum_counters
-from skyrl_mtp.rollout.weight_sync import WeightSchema
-from skyrl_mtp.rollout.weight_transfer.registration import CPU_BACKEND
+from skyrl_mtp.weight_sync.registration import CPU_BACKEND
+from skyrl_mtp.weight_sync.schema import WeightSchema
 
 # vLLM's sleep level for colocated engines: 2 drops the weights too (not offloaded to host memory), since
 # every sync rewrites all of them; then wake "weights", sync, wake "kv_cache" (vLLM's documented RL order).
-COLOCATED_SLEEP_LEVEL = 2
 
 
 def assign_least_loaded(num_items: int, loads: list[int], weight: int = 1) -> list[int]:
@@ -208,7 +207,7 @@ class EngineClient:
         `parts` (e.g. ["main"]): push only these, the engines keep the rest."""
         import ray
 
-        from skyrl_mtp.rollout.weight_transfer.sources import DictWeightSource
+        from skyrl_mtp.weight_sync.sources import DictWeightSource
 
         if not isinstance(named_tensors, Mapping) or not named_tensors:
             raise ValueError(f"named_tensors must be a non-empty dict of HF name -> tensor, got "
@@ -220,9 +219,9 @@ class EngineClient:
         sources = {part: DictWeightSource(named_tensors, part) for part in self.sync_parts}
         if self._driver_sender is None:
             from skyrl_mtp.net import listening_socket
-            from skyrl_mtp.rollout.weight_transfer.engine_actors_client import EngineActorsClient
-            from skyrl_mtp.rollout.weight_transfer.sender import WeightSender
-            from skyrl_mtp.rollout.weight_transfer.transport import trainer_init_info
+            from skyrl_mtp.weight_sync.engine_actors_client import EngineActorsClient
+            from skyrl_mtp.weight_sync.sender import WeightSender
+            from skyrl_mtp.weight_sync.transport import trainer_init_info
 
             addr = ray.util.get_node_ip_address()
             sock = listening_socket(addr)
@@ -237,7 +236,7 @@ class EngineClient:
 
         ray.get([a.reset_prefix_cache.remote() for a in self._actors])
 
-    def sleep(self, level: int = COLOCATED_SLEEP_LEVEL) -> None:
+    def sleep(self, level: int) -> None:
         """Colocation: release the engines' GPU memory while the policy trains (a no-op in vLLM's CPU worker)."""
         import ray
 

@@ -49,19 +49,19 @@ class EngineConfig:
     num_speculative_tokens: 0 = no speculative decoding; k >= 1 = MTP drafting of k tokens
     ({"method": "mtp", "num_speculative_tokens": k}); the checkpoint must have MTP layers.
     draft_invariant_sampling: on CPU, sample a request's t-th token with noise keyed to t whatever was
-    drafted (skyrl_mtp.rollout.draft_invariant_sampling): seeded spec rollouts equal non-spec ones.
+    drafted (skyrl_mtp.vllm_patches.draft_invariant_sampling): seeded spec rollouts equal non-spec ones.
     engine_kwargs: extra `vllm` engine arguments, merged into the managed ones (no overrides).
     draft_sample_method: "greedy" (vLLM's default) or "probabilistic" drafts; with probabilistic drafts the
     draft-invariant coupling does not apply (rollout.draft_invariant_sampling falls back to vLLM's own
     coupling for those steps, with a warning at engine start).
     adaptive_speculation: num_speculative_tokens is then the MAXIMUM k; the k of each engine step is chosen
     from the running batch, live acceptance and timings measured on the engine
-    (skyrl_mtp.rollout.adaptive_speculation), down to 0 (drafter not run).
+    (skyrl_mtp.speculation.policy), down to 0 (drafter not run).
     explore_budget: with adaptive_speculation, the share of engine time that choice may spend exploring
     (SpeculationPolicy.explore_budget); it reaches the engine core's scheduler through the engine
     process's environment (engine.engine_environment).
     policy_trace_dir: with adaptive_speculation, where each engine core writes the calls its scheduler makes to
-    that choice (rollout/policy_trace.py; None: no trace).
+    that choice (speculation/trace.py; None: no trace).
     """
 
     model_path: str
@@ -82,7 +82,7 @@ class EngineConfig:
     draft_sample_method: str = "greedy"
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     policy_trace_dir: str | None = None
-    # vLLM weight-transfer backend of the engines' workers, picked by rollout/weight_transfer/transport.py
+    # vLLM weight-transfer backend of the engines' workers, picked by weight_sync/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
 
@@ -125,7 +125,7 @@ class EngineConfig:
         for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
-        from skyrl_mtp.rollout.weight_transfer.transport import BACKENDS
+        from skyrl_mtp.weight_sync.transport import BACKENDS
 
         if self.weight_transfer_backend not in BACKENDS:
             raise _bad("weight_transfer_backend", self.weight_transfer_backend, f"one of {BACKENDS}")
@@ -145,7 +145,7 @@ class EngineConfig:
         if self.draft_sample_method != "greedy":
             spec["draft_sample_method"] = self.draft_sample_method
         if self.adaptive_speculation:   # vLLM's dynamic-K scheduling; adaptive_scheduler.py picks K per step
-            from skyrl_mtp.rollout.adaptive_speculation import dynamic_schedule
+            from skyrl_mtp.speculation.policy import dynamic_schedule
 
             spec["num_speculative_tokens_per_batch_size"] = dynamic_schedule(self.num_speculative_tokens,
                                                                              self.max_num_seqs)
@@ -170,7 +170,7 @@ class EngineConfig:
             "weight_transfer_config": {"backend": self.weight_transfer_backend},
             # per-request drafted/accepted counts (multi-turn rollouts report acceptance per turn)
             "per_request_spec_decode_metrics": "summary" if self.num_speculative_tokens else "none",
-            # adaptive speculation: the engine core's scheduler chooses k per step (rollout/adaptive_scheduler.py),
+            # adaptive speculation: the engine core's scheduler chooses k per step (speculation/scheduler_hook.py),
             # which needs vLLM's synchronous scheduling; otherwise vLLM's defaults (None)
             "scheduler_cls": self.adaptive_scheduler_cls,
             "async_scheduling": False if self.adaptive_speculation else None,
@@ -180,7 +180,7 @@ class EngineConfig:
     def adaptive_scheduler_cls(self) -> str | None:
         if not self.adaptive_speculation:
             return None
-        from skyrl_mtp.rollout.adaptive_speculation import SCHEDULER_CLS
+        from skyrl_mtp.speculation.policy import SCHEDULER_CLS
 
         return SCHEDULER_CLS
 

@@ -4,7 +4,7 @@ The engine is built inside the actor (vLLM spawns its EngineCore process from th
 one-worker engine's worker runs inside that process, see cpu_engine_defaults). Concurrent `generate`
 calls share vLLM's continuous batching, so many small requests (multi-turn rollouts) batch together.
 Weight updates go through vLLM's weight-transfer API (the trainer-side engine in the policy's rank 0
-drives init / start / update / finish through this actor, rollout/weight_transfer/); acceptance
+drives init / start / update / finish through this actor, weight_sync/); acceptance
 counters are read from the actor process's Prometheus registry, where vLLM's stat logger records them.
 """
 
@@ -17,14 +17,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from skyrl_mtp.rollout import kv_replay_cache
-from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
 from skyrl_mtp.rollout.config import EngineConfig
-from skyrl_mtp.rollout.policy_trace import POLICY_TRACE_ENV
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
-from skyrl_mtp.rollout.weight_sync import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
-from skyrl_mtp.rollout.weight_transfer.transport import WORKER_CHECKED_BACKENDS
+from skyrl_mtp.speculation.policy import EXPLORE_BUDGET_ENV
+from skyrl_mtp.speculation.trace import POLICY_TRACE_ENV
+from skyrl_mtp.vllm_patches import kv_replay_cache
+from skyrl_mtp.weight_sync.schema import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
+from skyrl_mtp.weight_sync.transport import WORKER_CHECKED_BACKENDS
 
 logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
@@ -348,7 +348,7 @@ class InferenceEngine:
 
     async def _policy_stats(self) -> dict[str, Any]:
         """The engine core's speculation policy (adaptive_scheduler.POLICY_STATS_UTILITY)."""
-        from skyrl_mtp.rollout.adaptive_scheduler import POLICY_STATS_UTILITY
+        from skyrl_mtp.speculation.scheduler_hook import POLICY_STATS_UTILITY
 
         policy = await self._engine.engine_core.call_utility_async(POLICY_STATS_UTILITY)
         if policy is None:

@@ -15,9 +15,9 @@ import os
 import torch
 
 from skyrl_mtp.models.families import prepare_vllm_worker
-from skyrl_mtp.rollout import draft_invariant_sampling
-from skyrl_mtp.rollout.cpu_sampling_fix import apply_if_needed
-from skyrl_mtp.rollout.weight_transfer.registration import register_cpu_transport
+from skyrl_mtp.vllm_patches import draft_invariant_sampling
+from skyrl_mtp.vllm_patches.cpu_sampling_fix import apply_if_needed
+from skyrl_mtp.weight_sync.registration import register_cpu_transport
 
 register_cpu_transport()   # before vLLM builds this worker's weight-transfer engine (at model load)
 prepare_vllm_worker()      # before the model loads: the served family's vLLM model code importable here
@@ -40,7 +40,7 @@ _WEIGHT_TRANSFER_API = ("init_weight_transfer_engine", "start_weight_update", "s
 
 def _kernel_build() -> str | None:
     """vLLM's CPU kernel build mapped in this worker (None off CPU): run_info.json records it."""
-    from skyrl_mtp.rollout.vllm_cpu_kernels import loaded_build
+    from skyrl_mtp.vllm_patches.cpu_kernels import loaded_build
 
     return loaded_build()
 
@@ -84,7 +84,7 @@ class WeightSyncExtension:
 
     def skyrl_install_adaptive_speculation(self) -> dict:
         """Wrap this worker's runner with the adaptive-k hook (checks vLLM's names; raises if moved)."""
-        from skyrl_mtp.rollout import adaptive_speculation
+        from skyrl_mtp.speculation import policy as adaptive_speculation
 
         hook = adaptive_speculation.install(self.model_runner)
         return {"k_max": hook.k_max, "runner": type(self.model_runner).__name__,

@@ -54,7 +54,7 @@ def _parse_line(line: str) -> dict | None:
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    """The run's logging settings (built from `logger.*` by skyrl_mtp.config.build.tracker_config)."""
+    """The run's logging settings (built from `logger.*` by skyrl_mtp.trainer.run_plan.tracker_config)."""
 
     backends: tuple[str, ...] = ("console", "jsonl")
     project: str = "skyrl-mtp"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from skyrl_mtp.trainer.errors import NonFiniteMetricError
+from skyrl_mtp.errors import NonFiniteMetricError
 
 
 def is_guarded(key: str) -> bool:

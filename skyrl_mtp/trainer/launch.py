@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from skyrl_mtp.config import build
-from skyrl_mtp.config.errors import ConfigError, problem
+from skyrl_mtp.errors import ConfigError, problem
 from skyrl_mtp.runtime_env import configure_offline_caches
+from skyrl_mtp.trainer import run_plan as build
 
 
 def log(msg: str) -> None:
@@ -88,7 +88,7 @@ def search_task_spec(params: dict[str, Any]):
 
 def load_examples(cfg: DictConfig, paths: list[Path], tokenizer: Any, what: str) -> list:
     from skyrl_mtp.data.datasets import load_prompt_dataset
-    from skyrl_mtp.trainer.environments import encode_prompt
+    from skyrl_mtp.envs.environments import encode_prompt
 
     d = build.data_settings(cfg)
     out, skipped, too_long = [], 0, 0
@@ -112,7 +112,7 @@ def load_examples(cfg: DictConfig, paths: list[Path], tokenizer: Any, what: str)
 
 
 def warm_start_examples(cfg: DictConfig, data: dict[str, Path], tokenizer: Any) -> list:
-    from skyrl_mtp.trainer.environments import encode_prompt
+    from skyrl_mtp.envs.environments import encode_prompt
     from skyrl_mtp.trainer.warm_start import SFTExample
 
     eos = [tokenizer.eos_token_id]
@@ -163,7 +163,7 @@ def start_ray(cfg: DictConfig) -> None:
 
 
 def build_environment(cfg: DictConfig, client: Any, tokenizer: Any, data: dict[str, Path]):
-    from skyrl_mtp.trainer.environments import MathEnvironment, SearchEnvironment
+    from skyrl_mtp.envs.environments import MathEnvironment, SearchEnvironment
 
     e = build.environment_settings(cfg)
     if e.name == "math":
@@ -202,7 +202,7 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> int:
     from skyrl_mtp.cluster.placement import PlacementError
-    from skyrl_mtp.trainer.errors import RunStoppedError
+    from skyrl_mtp.errors import RunStoppedError
 
     try:
         return _run(cfg)
@@ -254,9 +254,9 @@ def _run(cfg: DictConfig) -> int:
         placement_group = reserve(plan)
         engines, policy = _start_workers(cfg, model_path, plan, placement_group)
         env = build_environment(cfg, engines, tokenizer, data)
-        from skyrl_mtp.rollout.weight_transfer.policy_link import PolicyEngineLink
-        from skyrl_mtp.rollout.weight_transfer.step_sync import StepSync
         from skyrl_mtp.trainer.trainer import RLTrainer
+        from skyrl_mtp.weight_sync.policy_link import PolicyEngineLink
+        from skyrl_mtp.weight_sync.step_sync import StepSync
 
         weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines,
                                colocate=bool(cfg.trainer.placement.colocate))

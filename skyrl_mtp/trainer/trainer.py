@@ -18,15 +18,15 @@ import torch
 from skyrl_mtp.algorithms.advantages import grpo_advantages
 from skyrl_mtp.algorithms.dynamic_sampling import GroupAccumulator
 from skyrl_mtp.algorithms.overlong import overlong_filter_mask, soft_overlong_penalty
-from skyrl_mtp.config.build import loop_config
+from skyrl_mtp.algorithms.train_batch import build_train_batch
 from skyrl_mtp.data.datasets import PromptBatchIterator, PromptExample
+from skyrl_mtp.envs.environments import Environment, RolloutGroup
+from skyrl_mtp.errors import EngineDiedError, NonFiniteMetricError
 from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit, depths_to_train
 from skyrl_mtp.rollout.sampling import SamplingSpec
-from skyrl_mtp.trainer.batch import build_train_batch
-from skyrl_mtp.trainer.environments import Environment, RolloutGroup
-from skyrl_mtp.trainer.errors import EngineDiedError, NonFiniteMetricError
 from skyrl_mtp.trainer.finite_guard import check_update_metrics
 from skyrl_mtp.trainer.run_dir import RunDir, read_trainer_state
+from skyrl_mtp.trainer.run_plan import loop_config
 from skyrl_mtp.trainer.step_timer import StepTimer
 
 FAULT_KILL_ENGINE_ENV = "SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP"

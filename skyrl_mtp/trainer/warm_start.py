@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from skyrl_mtp.trainer.batch import Rollout, build_train_batch
+from skyrl_mtp.algorithms.train_batch import Rollout, build_train_batch
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja", "special_tokens_map.json")

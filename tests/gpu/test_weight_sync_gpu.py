@@ -29,8 +29,8 @@ def test_nccl_sync_from_a_gpu_sender_equals_a_fresh_engine(ray_local, tmp_path):
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
     from skyrl_mtp.rollout.client import EngineClient
     from skyrl_mtp.rollout.config import EngineConfig
-    from skyrl_mtp.rollout.weight_sync import WeightSyncError, part_names
-    from skyrl_mtp.rollout.weight_transfer.policy_link import PolicyEngineLink, PolicySenderMixin
+    from skyrl_mtp.weight_sync.policy_link import PolicyEngineLink, PolicySenderMixin
+    from skyrl_mtp.weight_sync.schema import WeightSyncError, part_names
 
     oracle = cached_tiny_checkpoint(tmp_path, TinyModelSpec(seed=0, head="oracle"))
     random_ckpt = cached_tiny_checkpoint(tmp_path, TinyModelSpec(seed=0, head="random"))

@@ -26,7 +26,7 @@ def test_a_held_port_cannot_be_taken_by_another_binder():
 
 
 def test_cpu_transport_group_serves_on_the_held_socket_and_a_client_that_came_first_waits():
-    from skyrl_mtp.rollout.weight_transfer.cpu_transport import all_agree, broadcast, open_group
+    from skyrl_mtp.weight_sync.cpu_transport import all_agree, broadcast, open_group
 
     sock = listening_socket()
     port = sock.getsockname()[1]

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from skyrl_mtp.envs.retriever.corpus_index import BM25Index
+    from skyrl_mtp.data.corpus_index import BM25Index
     from skyrl_mtp.envs.retriever.server import build_app
 
     index = BM25Index.from_jsonl(args.corpus)

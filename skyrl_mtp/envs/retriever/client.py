@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from skyrl_mtp.envs.search_tool import format_documents
+from skyrl_mtp.data.search_protocol import format_documents
 
 
 class RetrieverError(RuntimeError):

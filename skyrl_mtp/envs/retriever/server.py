@@ -16,7 +16,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from skyrl_mtp.envs.retriever.corpus_index import BM25Index
+from skyrl_mtp.data.corpus_index import BM25Index
 from skyrl_mtp.net import listening_socket
 
 

@@ -100,3 +100,20 @@ __all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "Wei
            "FAMILY_ENV", "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
            "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
            "serving_family"]
+
+
+# attribute set on every Megatron model built by policy.megatron.model_builder: the family whose replay inputs
+# and weight rules it follows
+FAMILY_ATTR = "skyrl_model_family"
+
+
+def family_of_model(model) -> ModelFamily:
+    """The family a model was built for (searching through wrappers that keep it as ``.module``)."""
+    m = model
+    while m is not None:
+        fam = m.__dict__.get(FAMILY_ATTR) if hasattr(m, "__dict__") else None
+        if fam is not None:
+            return fam
+        m = getattr(m, "module", None)
+    raise ModelBuildError("model was not built by policy.megatron.model_builder.build_gpt_model (which tags it with FAMILY_ATTR): its model family "
+                          "is unknown (pass the family's MTPReplayInputs explicitly)")

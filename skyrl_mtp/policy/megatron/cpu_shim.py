@@ -2,7 +2,7 @@
 
 megatron-core asks ``torch.cuda.current_device()`` for the device of RoPE tables, its global
 memory buffer and MTP metrics, and keeps its model-parallel RNG states in CUDA generators.
-Without a GPU both fail. This shim redirects them to the CPU; the device seam (policy/device.py)
+Without a GPU both fail. This shim redirects them to the CPU; the device seam (policy/megatron/device.py)
 applies it when a rank runs on the CPU, and it checks every patch target exists (with the expected call
 signature) before touching it.
 """
@@ -101,7 +101,7 @@ def shim_active() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Megatron's DDP grad buffers + distributed optimizer on CPU (opt-in, for tests: policy/device.py)
+# Megatron's DDP grad buffers + distributed optimizer on CPU (opt-in, for tests: policy/megatron/device.py)
 #
 # The optimizer side of megatron-core hard-codes CUDA in many small places (0.16.1):
 #   tensors created with ``device='cuda'``: optimizer/optimizer.py MixedPrecisionOptimizer.__init__

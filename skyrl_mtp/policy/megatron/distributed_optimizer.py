@@ -9,7 +9,7 @@ parameter (its grad-norm and clip are the policy's alone) and the head's never s
 
 ``MegatronSideOptimizer`` offers what the policy worker calls on either path (zero_grad, reduce grads,
 clip + step, LR, state dicts); ``TorchSideOptimizer`` (optimizers.py: AdamW + manual DP all-reduce) is
-the CPU twin. Which one a rank gets is decided by ``policy/device.py`` (which can also put a CPU rank on this
+the CPU twin. Which one a rank gets is decided by ``policy/megatron/device.py`` (which can also put a CPU rank on this
 path: its parameters are then CPU tensors and every Megatron call runs under
 ``cpu_shim.megatron_optimizer_on_cpu``).
 

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_mtp.models.families import ModelBuildError, ModelFamily, family_for_config, read_hf_config
+from skyrl_mtp.models.families import (
+    FAMILY_ATTR,
+    ModelBuildError,
+    ModelFamily,
+    family_for_config,
+    family_of_model,
+    read_hf_config,
+)
 from skyrl_mtp.models.families.mimo import HFModelArgs
 
 __all__ = ["HFModelArgs", "ModelBuildError", "build_gpt_model", "family_of_model", "model_args_from_checkpoint",
            "model_args_from_config", "resolve_mtp_layers"]
 
-# attribute set on every model built here: the family whose replay inputs / weight rules it follows
-FAMILY_ATTR = "skyrl_model_family"
 
 
 def model_args_from_config(cfg: dict):
@@ -48,15 +53,3 @@ def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "flo
     model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model
-
-
-def family_of_model(model) -> ModelFamily:
-    """The family a model was built for (searching through wrappers that keep it as ``.module``)."""
-    m = model
-    while m is not None:
-        fam = m.__dict__.get(FAMILY_ATTR) if hasattr(m, "__dict__") else None
-        if fam is not None:
-            return fam
-        m = getattr(m, "module", None)
-    raise ModelBuildError("model was not built by policy.megatron.model_builder.build_gpt_model: its model family "
-                          "is unknown (pass the family's MTPReplayInputs explicitly)")

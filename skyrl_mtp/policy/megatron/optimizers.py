@@ -3,7 +3,7 @@
 On CPU ranks both are torch AdamW (``TorchSideOptimizer``), each with its own hyper-parameters, LR schedule
 (constant / linear / cosine after a linear warmup) and grad-norm clipping. GPU ranks (and CPU ranks that opt
 in, for tests) take Megatron's DDP + distributed optimizer instead (``distributed_optimizer.py``); which one a
-rank gets is decided by ``policy/device.py``.
+rank gets is decided by ``policy/megatron/device.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bring up torch.distributed (gloo on CPU, nccl on GPU: the backend comes from policy/device.py) and
+"""Bring up torch.distributed (gloo on CPU, nccl on GPU: the backend comes from policy/megatron/device.py) and
 megatron-core's model-parallel groups."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    from skyrl_mtp.policy.device import activate, rank_device
+    from skyrl_mtp.policy.megatron.device import activate, rank_device
 
     if world_size % tp:
         raise ValueError(f"world_size={world_size} is not divisible by tp={tp}")

@@ -34,7 +34,7 @@ def run_megatron_optimizer_rank(rank, world, port, ckpt, cfg_kwargs, batches, ck
 
     torch.set_num_threads(1)
     from skyrl_mtp.policy.config import PolicyWorkerConfig
-    from skyrl_mtp.policy.device import CPU_MEGATRON_OPTIMIZER_ENV
+    from skyrl_mtp.policy.megatron.device import CPU_MEGATRON_OPTIMIZER_ENV
     from skyrl_mtp.policy.megatron.distributed_optimizer import ddp_buffer_params
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy
 

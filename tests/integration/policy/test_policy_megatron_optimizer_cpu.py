@@ -1,6 +1,6 @@
 """The GPU training path (Megatron DDP fp32 grad buffers + distributed optimizer, policy and MTP head built
 separately) executed for real on CPU: two gloo ranks at DP=2, real megatron-core, opted in through
-``SKYRL_MTP_MEGATRON_OPTIMIZER_ON_CPU`` (policy/device.py) and run under ``cpu_shim.megatron_optimizer_on_cpu``.
+``SKYRL_MTP_MEGATRON_OPTIMIZER_ON_CPU`` (policy/megatron/device.py) and run under ``cpu_shim.megatron_optimizer_on_cpu``.
 
 Checks: the policy's weights follow the torch AdamW path (same data, LR, clipping); the draft loss never
 reaches the trunk (bitwise); the Adam state is sharded over the two ranks; a checkpoint resumes bitwise."""

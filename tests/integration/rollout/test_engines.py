@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from skyrl_mtp.rollout.client import EngineClient
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import SamplingSpec
-from skyrl_mtp.rollout.weight_sync import WeightSyncError
+from skyrl_mtp.weight_sync.schema import WeightSyncError
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +108,7 @@ def test_no_spec_reference(engine_pool, refs):
     assert info["cpu_sampling_fix"] in ("applied", "not_needed"), info
     # the engine's worker process maps the kernel build vLLM picks for this CPU (as torch reports it, so
     # `make test-avx2` proves the AVX2 override reached vLLM's subprocesses)
-    from skyrl_mtp.rollout.vllm_cpu_kernels import expected_build
+    from skyrl_mtp.vllm_patches.cpu_kernels import expected_build
 
     assert info["vllm_kernel_build"] == expected_build(), info
 
@@ -253,7 +253,7 @@ def test_a_main_only_push_keeps_the_drafters_head_and_refreshes_what_it_shares(e
 def test_workers_refuse_a_bad_push_before_loading_anything(engine_pool, refs, oracle_ckpt):
     # Past the sender's own check: the trainer-side transfer engine is driven directly with a bad source;
     # vLLM's workers (skyrl_cpu engine) check the declared update, all ranks agree, nothing is loaded.
-    from skyrl_mtp.rollout.weight_transfer.sources import DictWeightSource
+    from skyrl_mtp.weight_sync.sources import DictWeightSource
 
     k1 = engine_pool.get("k1")                              # on the oracle weights
     good = _weights(oracle_ckpt)
@@ -278,8 +278,8 @@ def test_workers_refuse_a_bad_push_before_loading_anything(engine_pool, refs, or
 def test_colocated_step_sleeps_and_wakes_in_vllm_order(engine_pool, refs, oracle_ckpt):
     from types import SimpleNamespace
 
-    from skyrl_mtp.rollout.weight_sync import part_names
-    from skyrl_mtp.rollout.weight_transfer.step_sync import StepSync
+    from skyrl_mtp.weight_sync.schema import part_names
+    from skyrl_mtp.weight_sync.step_sync import StepSync
 
     k1 = engine_pool.get("k1")                              # on the oracle weights
     good = _weights(oracle_ckpt)

@@ -12,7 +12,7 @@ reads uninitialised memory, so its numbers vary from run to run: mostly p-values
 floor of 1e-3, once p = 0.009 with the acceptance at a quarter of its expectation).
 
 Both rejection-sampling couplings are run (vLLM's own, and the project's draft-invariant one from
-skyrl_mtp/rollout/draft_invariant_sampling.py): both must be lossless with the fix, and the
+skyrl_mtp/vllm_patches/draft_invariant_sampling.py): both must be lossless with the fix, and the
 draft-invariant one must emit exactly the no-spec engine's tokens for the same seeds.
 """
 

@@ -78,10 +78,10 @@ def test_retriever_killed_mid_run_follows_the_failure_policy(tmp_path, on_failur
     import sys
     import time
 
-    from skyrl_mtp.config.build import data_settings
     from skyrl_mtp.config.loader import load_config
     from skyrl_mtp.data.search_task import write_search_task
     from skyrl_mtp.trainer.launch import search_task_spec
+    from skyrl_mtp.trainer.run_plan import data_settings
 
     repo = Path(__file__).resolve().parents[3]
 

@@ -63,7 +63,7 @@ def test_the_cluster_recipes_exist():
 def test_recipe_validates_with_user_paths(recipe, tmp_path):
     cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
     if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts:
-        from skyrl_mtp.config.build import engine_config
+        from skyrl_mtp.trainer.run_plan import engine_config
 
         spec = engine_config(cfg, tmp_path).speculative_config   # derived from trainer.mtp only
         assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == cfg.trainer.mtp.num_speculative_tokens
@@ -111,7 +111,7 @@ def test_cluster_recipe_fits_its_documented_hardware(recipe, nodes, gpus, k, tmp
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_builds_its_policy_and_engine_configs(recipe, tmp_path):
     """What the launcher hands the policy workers and the engines is built (and validated) for every recipe."""
-    from skyrl_mtp.config.build import engine_config, policy_worker_config
+    from skyrl_mtp.trainer.run_plan import engine_config, policy_worker_config
 
     cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
     policy = policy_worker_config(cfg)

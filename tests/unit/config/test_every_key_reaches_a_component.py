@@ -4,7 +4,7 @@ The leaves are read from the schema dataclasses themselves, so a key added to sc
 without touching this file. For each one the test sets a different valid value (ALTERNATIVES, or one
 derived from the default's type) and compares `built_components` (the settings of the policy workers,
 the engines, the RL loop, the model, the data, the environment, the warm start, the placement plan
-and the tracker, as skyrl_mtp.config.build makes them for the launcher and the trainer) before and
+and the tracker, as skyrl_mtp.trainer.run_plan makes them for the launcher and the trainer) before and
 after. A key no component reads -- a dead key -- leaves them equal and fails here. Keys with a single
 supported value (ONLY_ONE_VALUE) must instead reject any other value, naming that key, once; so must
 keys that only restate others (MUST_MATCH), which change only together with the key they follow.
@@ -22,8 +22,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from skyrl_mtp.config import ConfigError, compose_config, validate_config
-from skyrl_mtp.config.build import built_components
 from skyrl_mtp.config.schema import SkyRLConfig
+from skyrl_mtp.trainer.run_plan import built_components
 
 BASE = ["recipe=tiny_dapo"]
 
@@ -190,7 +190,7 @@ def test_changing_the_key_changes_a_built_component(key, base, paths):
     after = built_components(_with(base, {**context, **follow, key: value}, paths))
     changed = sorted(name for name in before if before[name] != after[name])
     assert changed, (f"{key}: setting it to {value!r} (default {default!r}) changes no component built from the "
-                     f"config -- a dead key: make it reach its component in skyrl_mtp/config/build.py or remove it")
+                     f"config -- a dead key: make it reach its component in skyrl_mtp/trainer/run_plan.py or remove it")
 
 
 @pytest.mark.parametrize("key", sorted(ONLY_ONE_VALUE) + sorted(MUST_MATCH))

@@ -3,7 +3,7 @@
 import pytest
 
 from skyrl_mtp.config import ConfigError, load_config
-from skyrl_mtp.config.build import engine_config, policy_worker_config
+from skyrl_mtp.trainer.run_plan import engine_config, policy_worker_config
 
 BASE = ["recipe=tiny_dapo"]
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from skyrl_mtp.envs.multi_turn import MultiTurnSearchGenerator, RetrieverFailedError
 from skyrl_mtp.envs.retriever.client import RetrieverClient
 from skyrl_mtp.envs.search_reward import score_answer
 from skyrl_mtp.net import free_port
-from skyrl_mtp.rollout.multi_turn import MultiTurnSearchGenerator, RetrieverFailedError
 from skyrl_mtp.rollout.sampling import SamplingSpec
 
 NUM = 16

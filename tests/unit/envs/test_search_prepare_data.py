@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from skyrl_mtp.data.datasets import load_prompt_dataset
-from skyrl_mtp.envs.search_tool import build_search_prompt
+from skyrl_mtp.data.search_protocol import build_search_prompt
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "prepare_searchr1_data.py"
 

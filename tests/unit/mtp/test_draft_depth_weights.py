@@ -31,8 +31,8 @@ def test_normaliser_counts_each_depths_positions_at_its_weight():
 
 @pytest.mark.parametrize("value", [0, 1.5, -0.5])
 def test_bad_decay_is_rejected_naming_the_key(value):
-    from skyrl_mtp.config.errors import ConfigError
     from skyrl_mtp.config.loader import load_config
+    from skyrl_mtp.errors import ConfigError
     from skyrl_mtp.policy.config import PolicyConfigError, PolicyWorkerConfig
 
     with pytest.raises(ConfigError, match=rf"trainer\.mtp\.loss_depth_decay={value}.*\(0, 1\]"):

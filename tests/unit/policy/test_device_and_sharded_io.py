@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from skyrl_mtp.models.families.base import WeightMappingError
-from skyrl_mtp.policy.device import CPU_MEGATRON_OPTIMIZER_ENV, choose_device, rank_device
+from skyrl_mtp.policy.megatron.device import CPU_MEGATRON_OPTIMIZER_ENV, choose_device, rank_device
 from skyrl_mtp.policy.megatron.hf_bridge import hf_to_megatron
 from skyrl_mtp.policy.megatron.hf_export import StreamExportError, write_safetensors_stream
 from skyrl_mtp.policy.megatron.model_builder import model_args_from_checkpoint

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from skyrl_mtp.algorithms.train_batch import Rollout
 from skyrl_mtp.config import load_config
 from skyrl_mtp.data.datasets import PromptExample
+from skyrl_mtp.envs.environments import RolloutGroup
+from skyrl_mtp.errors import NonFiniteMetricError
 from skyrl_mtp.tracking.tracker import Tracker, read_metrics
-from skyrl_mtp.trainer.batch import Rollout
-from skyrl_mtp.trainer.environments import RolloutGroup
-from skyrl_mtp.trainer.errors import NonFiniteMetricError
 from skyrl_mtp.trainer.run_dir import RunDir
 from skyrl_mtp.trainer.trainer import RLTrainer
 

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from skyrl_mtp.trainer.batch import Rollout, build_train_batch
+from skyrl_mtp.algorithms.train_batch import Rollout, build_train_batch
 from skyrl_mtp.trainer.run_dir import COMPLETE_MARKER, RunDir, read_trainer_state
 from skyrl_mtp.trainer.trainer import combine_round_metrics, mean_metrics, step_seed
 from skyrl_mtp.trainer.warm_start import (
@@ -168,7 +168,7 @@ def test_missing_data_file_fails_before_anything_starts(tmp_path, capsys):
 
 def test_engine_config_carries_the_sampling_switches_from_the_generator_config(tmp_path):
     from skyrl_mtp.config import load_config
-    from skyrl_mtp.config.build import engine_config
+    from skyrl_mtp.trainer.run_plan import engine_config
 
     default = engine_config(load_config(["recipe=tiny_dapo"]), tmp_path)
     assert default.draft_invariant_sampling is True and default.cpu_sampling_fix is True
@@ -230,7 +230,7 @@ def test_policy_group_wants_one_option_set_per_rank():
 
 
 def test_round_metrics_sum_counts_max_maxima_and_average_the_rest():
-    from skyrl_mtp.rollout.multi_turn import MAX_METRICS, SUMMED_METRICS
+    from skyrl_mtp.envs.multi_turn import MAX_METRICS, SUMMED_METRICS
 
     rounds = [{"multi_turn/search_failures": 2.0, "multi_turn/retriever_latency_max_s": 0.5,
                "multi_turn/num_turns_mean": 1.0},

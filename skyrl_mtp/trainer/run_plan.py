@@ -1,0 +1,320 @@
+"""Build every component's settings from a run's validated config: one function per component.
+
+This is the only place that maps the user's keys (`trainer.*`, `megatron.*`, `generator.*`, ...) to the
+fields of the objects the components take: the policy workers (`PolicyWorkerConfig`), the inference
+engines (`EngineConfig`), the RL loop (`LoopConfig`), the environment, the data, the model, the warm
+start, the placement plan and the tracker. The launcher and the trainer call these functions and copy
+no field themselves, so `tests/unit/config/test_every_key_reaches_a_component.py` can prove, key by key,
+that changing a key changes what a component receives (`built_components`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# ---------------------------------------------------------------------------------------------- MTP
+
+def adaptive_speculation(cfg: DictConfig) -> bool:
+    """trainer.mtp.num_speculative_tokens=auto: k chosen per engine step (speculation/policy.py)."""
+    return cfg.trainer.mtp.num_speculative_tokens == "auto"
+
+
+def max_speculative_tokens(cfg: DictConfig) -> int:
+    """The largest k the engines may draft: k, or trainer.mtp.max_speculative_tokens under auto."""
+    mtp = cfg.trainer.mtp
+    return int(mtp.max_speculative_tokens) if adaptive_speculation(cfg) else int(mtp.num_speculative_tokens)
+
+
+def train_depths(cfg: DictConfig) -> int:
+    """Draft depths the head is trained on: trainer.mtp.train_depths, or (null) the largest k drafted (under
+    auto the most depths: each step trains those the engines drafted, head_depths_follow_engines)."""
+    mtp = cfg.trainer.mtp
+    if mtp.train_depths is not None:
+        return int(mtp.train_depths)
+    return max(max_speculative_tokens(cfg), 1)
+
+
+def rollout_speculative_tokens(cfg: DictConfig) -> int:
+    """Tokens the engines draft per step (the maximum under auto) when the head drafts in rollouts, else 0."""
+    mtp = cfg.trainer.mtp
+    return max_speculative_tokens(cfg) if mtp.enabled and mtp.draft_in_rollouts else 0
+
+
+# ---------------------------------------------------------------------------------------------- policy
+
+def updates_per_step(cfg: DictConfig) -> int:
+    """Optimizer steps per RL step: one per mini-batch of trainer.policy_mini_batch_size prompts."""
+    batch = int(cfg.trainer.train_batch_size)
+    return math.ceil(batch / int(cfg.trainer.policy_mini_batch_size or batch))
+
+
+def policy_worker_config(cfg: DictConfig):
+    """The Megatron policy workers' config of the RL run (policy + MTP head, both optimizers)."""
+    from skyrl_mtp.policy.config import PolicyWorkerConfig
+
+    m, mtp = cfg.megatron, cfg.trainer.mtp
+    po, ho = m.policy_optimizer, m.head_optimizer
+    enabled = bool(mtp.enabled)
+    return PolicyWorkerConfig(
+        tp=int(m.tp), pp=int(m.pp), dp=int(m.dp), mtp_enabled=enabled,
+        mtp_num_layers=(m.mtp_num_layers if enabled else 0), mtp_num_depths=train_depths(cfg),
+        mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if enabled else 0.0,
+        mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=m.mtp_loss_chunk_size,
+        mtp_loss_position_fraction=float(mtp.loss_position_fraction),
+        mtp_loss_depth_decay=float(mtp.loss_depth_decay),
+        policy_lr=float(po.lr), weight_decay=float(po.weight_decay), betas=tuple(po.betas), eps=float(po.eps),
+        policy_grad_clip=float(po.grad_clip), lr_warmup_steps=int(po.warmup_steps), lr_schedule=str(po.lr_schedule),
+        head_lr=float(ho.lr), head_weight_decay=float(ho.weight_decay), head_betas=tuple(ho.betas),
+        head_eps=float(ho.eps), head_grad_clip=float(ho.grad_clip), head_lr_warmup_steps=int(ho.warmup_steps),
+        head_lr_schedule=str(ho.lr_schedule),
+        lr_decay_steps=int(cfg.trainer.total_steps) * updates_per_step(cfg),
+        export_hf=bool(cfg.trainer.checkpoint.export_hf), export_draft_head=bool(cfg.trainer.checkpoint.export_draft_head),
+        micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype))
+
+
+def warm_start_worker_config(cfg: DictConfig):
+    """The single policy worker of the supervised warm start: the trunk only (no head), its own constant LR."""
+    from skyrl_mtp.policy.config import PolicyWorkerConfig
+
+    m = cfg.megatron
+    return PolicyWorkerConfig(tp=1, pp=1, dp=1, mtp_enabled=False, mtp_num_layers=0, mtp_loss_weight=0.0,
+                              policy_lr=float(cfg.trainer.warm_start.lr), policy_grad_clip=1.0,
+                              micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype))
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    enabled: bool
+    plan: Any                 # skyrl_mtp.trainer.warm_start.WarmStartPlan (part of the cache key)
+    cache_dir: str | None     # None: <cache>/warm_start
+
+
+def warm_start_settings(cfg: DictConfig) -> WarmStartSettings:
+    from skyrl_mtp.trainer.warm_start import WarmStartPlan
+
+    ws = cfg.trainer.warm_start
+    plan = WarmStartPlan(steps=int(ws.steps), lr=float(ws.lr), batch_size=int(ws.batch_size), seed=int(cfg.trainer.seed),
+                         micro_batch_size=int(cfg.megatron.micro_batch_size))
+    return WarmStartSettings(bool(ws.enabled), plan, ws.cache_dir)
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+def weight_transfer_backend(cfg: DictConfig) -> str:
+    """The weight transport (weight_sync/transport.py): engines on GPUs of their own -> nccl,
+    sharing the policy's GPUs -> ipc, CPU -> skyrl_cpu."""
+    from skyrl_mtp.weight_sync.transport import choose_backend
+
+    pl = cfg.trainer.placement
+    on_gpu = int(pl.gpus_per_engine) > 0
+    return choose_backend(on_gpu, bool(on_gpu and pl.colocate))
+
+
+def engine_config(cfg: DictConfig, model_path: str | Path):
+    """The vLLM engines' config; speculative decoding is derived from trainer.mtp only."""
+    from skyrl_mtp.rollout.config import EngineConfig
+
+    g = cfg.generator
+    return EngineConfig(
+        model_path=str(model_path), num_engines=int(g.num_engines), tensor_parallel_size=int(g.tensor_parallel_size),
+        pipeline_parallel_size=int(g.pipeline_parallel_size), weight_transfer_backend=weight_transfer_backend(cfg),
+        num_speculative_tokens=rollout_speculative_tokens(cfg), max_model_len=int(g.max_model_len),
+        max_num_seqs=int(g.max_num_seqs), kv_cache_memory_bytes=int(g.kv_cache_memory_mb) * 2**20,
+        enforce_eager=bool(g.enforce_eager), dtype=str(g.dtype), seed=int(cfg.trainer.seed),
+        cpu_sampling_fix=bool(g.cpu_sampling_fix), draft_invariant_sampling=bool(g.draft_invariant_sampling),
+        adaptive_speculation=adaptive_speculation(cfg) and rollout_speculative_tokens(cfg) > 0,
+        draft_sample_method=str(cfg.trainer.mtp.draft_sample_method),
+        explore_budget=float(cfg.trainer.mtp.explore_budget),
+        policy_trace_dir=cfg.trainer.mtp.policy_trace_dir,
+        # logger.verbose=false: no progress bars of vLLM's checkpoint loading on the console
+        engine_kwargs={**({} if cfg.logger.verbose else {"use_tqdm_on_load": False}),
+                       **OmegaConf.to_container(g.engine_kwargs, resolve=True)})
+
+
+# ---------------------------------------------------------------------------------------------- RL loop
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: tuple[str, ...]
+
+
+def _sampling(sc: Any) -> SamplingSettings:
+    return SamplingSettings(float(sc.temperature), float(sc.top_p), int(sc.top_k), int(sc.max_tokens), tuple(sc.stop))
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What `RLTrainer` reads: the step loop, rollouts, advantages, the policy loss, eval and checkpoints."""
+
+    seed: int
+    total_steps: int
+    train_batch_size: int
+    mini_batch_size: int | None
+    shuffle: bool
+    n_samples_per_prompt: int
+    sampling: SamplingSettings
+    eval_sampling: SamplingSettings
+    eval_every_n_steps: int
+    eval_batch_size: int
+    dynamic_sampling: bool
+    max_gen_rounds: int
+    norm_adv_by_std: bool
+    loss_kwargs: tuple[tuple[str, Any], ...]     # of the DAPO/PPO policy loss (a tuple: frozen, hashable)
+    overlong_filtering: bool
+    overlong_punishment: tuple[bool, int, float]  # (enabled, buffer_len, penalty_factor)
+    dp: int
+    checkpoint_every_n_steps: int
+    keep_last: int
+    resume: str
+    progress_bar: bool
+    run_dir: str
+    # trainer.mtp.train_depths=null under num_speculative_tokens=auto: each step's head training covers the
+    # depths the engines drafted (mtp/draft_depths.py), at most `head_max_depths`; otherwise None
+    head_max_depths: int | None = None
+    # with head_max_depths: the share of each step's time allowed for keeping an idle head aligned
+    idle_head_train_budget: float = 1.0
+    num_engines: int = 1             # engines run side by side (their drafting savings are averaged)
+
+
+def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    algo = cfg.algorithm
+    low = float(algo.eps_clip_low)
+    # PPO's clip is DAPO's with a symmetric range
+    high = low if algo.policy_loss_type == "ppo" else float(algo.eps_clip_high)
+    return {"eps_clip_low": low, "eps_clip_high": high,
+            "dual_clip_c": None if algo.dual_clip_c is None else float(algo.dual_clip_c),
+            "loss_reduction": str(algo.loss_reduction)}
+
+
+def loop_config(cfg: DictConfig) -> LoopConfig:
+    t, algo = cfg.trainer, cfg.algorithm
+    op = algo.overlong_punishment
+    head_max_depths = head_depths_follow_engines(cfg)
+    return LoopConfig(
+        seed=int(t.seed), total_steps=int(t.total_steps), train_batch_size=int(t.train_batch_size),
+        mini_batch_size=None if t.policy_mini_batch_size is None else int(t.policy_mini_batch_size),
+        shuffle=bool(cfg.data.shuffle), n_samples_per_prompt=int(cfg.generator.n_samples_per_prompt),
+        sampling=_sampling(cfg.generator.sampling), eval_sampling=_sampling(cfg.generator.eval_sampling),
+        eval_every_n_steps=int(t.eval_every_n_steps), eval_batch_size=int(t.eval_batch_size),
+        dynamic_sampling=bool(algo.dynamic_sampling.enabled), max_gen_rounds=int(algo.dynamic_sampling.max_gen_rounds),
+        norm_adv_by_std=bool(algo.norm_adv_by_std), loss_kwargs=tuple(sorted(policy_loss_kwargs(cfg).items())),
+        overlong_filtering=bool(algo.overlong_filtering),
+        overlong_punishment=(bool(op.enabled), int(op.buffer_len), float(op.penalty_factor)),
+        dp=int(cfg.megatron.dp), checkpoint_every_n_steps=int(t.checkpoint.every_n_steps),
+        keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
+        run_dir=str(t.run_dir), head_max_depths=head_max_depths,
+        idle_head_train_budget=float(t.mtp.idle_head_train_budget) if head_max_depths is not None else 1.0,
+        num_engines=int(cfg.generator.num_engines))
+
+
+def head_depths_follow_engines(cfg: DictConfig) -> int | None:
+    """The most depths the head trains on when they follow the engines' chosen k (auto k, train_depths
+    null, the head trained and drafting in rollouts); None when the depths are fixed (train_depths)."""
+    mtp = cfg.trainer.mtp
+    if not (adaptive_speculation(cfg) and mtp.train_depths is None and rollout_speculative_tokens(cfg) > 0
+            and float(mtp.loss_weight) > 0):
+        return None
+    return train_depths(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- model / data
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str | None          # a user's HF checkpoint, or None: the tiny embedded model below
+    tiny: Any                 # skyrl_mtp.models.tiny.TinyModelSpec
+    tiny_cache_dir: str | None
+
+
+def model_source(cfg: DictConfig) -> ModelSource:
+    from skyrl_mtp.models.tiny import TinyModelSpec
+
+    t = cfg.model.tiny
+    spec = TinyModelSpec(**{k: v for k, v in OmegaConf.to_container(t, resolve=True).items() if k != "cache_dir"})
+    return ModelSource(None if cfg.model.path is None else str(Path(cfg.model.path).resolve()), spec, t.cache_dir)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    synthetic: str | None
+    synthetic_params: tuple[tuple[str, Any], ...]   # what the generated data depends on (its cache key)
+    synthetic_dir: str | None
+    max_prompt_length: int
+    skip_malformed: bool
+    layout: str                                     # row layout of user files: "dapo" or "searchr1"
+
+
+def data_settings(cfg: DictConfig) -> DataSettings:
+    d = cfg.data
+    params = {"task": d.synthetic, "num_train": int(d.synthetic_num_train), "num_val": int(d.synthetic_num_val),
+              "seed": int(cfg.trainer.seed), "digits": int(d.synthetic_digits)}
+    if d.synthetic == "search":
+        params["topk"] = int(cfg.environment.search.topk)
+        rels = [str(r) for r in d.synthetic_search_relations]
+        if rels != ["capital", "founder", "river", "currency"] or d.synthetic_search_warmstart_entities:
+            # only when not the defaults, so the cache key of data generated before these keys is unchanged
+            params["relations"] = ",".join(rels)
+            params["warmstart_entities"] = int(d.synthetic_search_warmstart_entities)
+    layout = "searchr1" if cfg.environment.name == "search" and d.synthetic != "search" else "dapo"
+    return DataSettings(tuple(str(p) for p in d.train_files), tuple(str(p) for p in d.val_files), d.synthetic,
+                        tuple(sorted(params.items())), d.synthetic_dir, int(d.max_prompt_length),
+                        bool(d.skip_malformed), layout)
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+@dataclass(frozen=True)
+class EnvironmentSettings:
+    name: str
+    math_answer_pattern: str | None
+    math_timeout_s: float
+    search_retriever_url: str | None
+    search_corpus_file: str | None
+    search_topk: int
+    search_timeout_s: float
+    search_max_retries: int
+    search_on_failure: str
+    max_turns: int
+    max_total_len: int
+
+
+def environment_settings(cfg: DictConfig) -> EnvironmentSettings:
+    e, s = cfg.environment, cfg.environment.search
+    return EnvironmentSettings(str(e.name), e.math.answer_pattern, float(e.math.timeout_s), s.retriever_url,
+                               s.corpus_file, int(s.topk), float(s.timeout_s), int(s.max_retries), str(s.on_failure),
+                               int(cfg.generator.max_turns), int(cfg.generator.max_model_len))
+
+
+# ---------------------------------------------------------------------------------------------- tracker / placement
+
+def tracker_config(cfg: DictConfig):
+    from skyrl_mtp.tracking.tracker import TrackerConfig
+
+    lg = cfg.logger
+    return TrackerConfig(backends=tuple(lg.backends), project=str(lg.project), run_name=str(lg.run_name),
+                         wandb_mode=str(lg.wandb_mode), plots=bool(lg.plots), verbose=bool(lg.verbose))
+
+
+def placement_plan(cfg: DictConfig):
+    from skyrl_mtp.cluster.placement import build_plan
+
+    return build_plan(cfg)
+
+
+def built_components(cfg: DictConfig, model_path: str = "/model") -> dict[str, Any]:
+    """Every component's settings of `cfg` (what the key-coverage test compares)."""
+    return {"policy_worker": policy_worker_config(cfg), "warm_start_worker": warm_start_worker_config(cfg),
+            "warm_start": warm_start_settings(cfg), "engine": engine_config(cfg, model_path), "loop": loop_config(cfg),
+            "model": model_source(cfg), "data": data_settings(cfg), "environment": environment_settings(cfg),
+            "tracker": tracker_config(cfg), "placement": placement_plan(cfg)}

