@@ -76,7 +76,7 @@ def child(setup: str, rounds: int, batch: int, max_tokens: int, out_prefix: str)
     cache = Path(os.environ.get("SKYRL_MTP_CACHE", REPO / ".cache"))
     configure_offline_caches(str(cache))
     cfg = load_config(["recipe=tiny_dapo", *overrides])
-    base = build.engine_config(cfg, resolve_model(cfg, cache))   # the model the run itself would serve
+    base = build.engine_config(cfg, resolve_model(build.build_run_plan(cfg), cache))   # the model the run itself would serve
 
     class Timed(EngineConfig):
         """The run's engine config with this benchmark's timing scheduler (the same class otherwise)."""

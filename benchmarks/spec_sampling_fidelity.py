@@ -32,8 +32,8 @@ projection replaced by a seeded Gaussian matrix (same target, a head that knows 
 Usage (a quick run, one head and k, both fix settings, takes a few minutes on 2 cores):
   python benchmarks/spec_sampling_fidelity.py --heads oracle --ks 2 --fix both --samples 4000 --json out.json
 Each vLLM engine gets worker_extension_cls=skyrl_mtp.rollout.worker_extension.WeightSyncExtension (which
-applies the fix inside vLLM's worker process) and SKYRL_MTP_CPU_SAMPLING_FIX=1/0 for --fix on/off,
-SKYRL_MTP_DRAFT_INVARIANT_SAMPLING=1/0 for --coupling invariant/vllm.
+applies the fix inside vLLM's worker process) and the engine-process settings (skyrl_mtp/engine_process.py)
+cpu_sampling_fix for --fix on/off, draft_invariant_sampling for --coupling invariant/vllm.
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ from safetensors.torch import load_file, save_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
-FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
-COUPLING_ENV = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
-COUPLINGS = {"invariant": "1", "vllm": "0"}
+COUPLINGS = {"invariant": True, "vllm": False}
 HEADS = ("oracle", "partial", "random")
 PROMPT_TEXT = "the answer is"
 MIN_EXPECTED_PER_BIN = 5.0
@@ -252,8 +250,10 @@ def make_llm(path: Path, k: int, fix: bool, max_num_seqs: int, seed: int, coupli
              draft_sample_method: str = "greedy"):
     from vllm import LLM
 
-    os.environ[FIX_ENV] = "1" if fix else "0"   # inherited by vLLM's spawned EngineCore and worker
-    os.environ[COUPLING_ENV] = COUPLINGS[coupling]
+    from skyrl_mtp.engine_process import EngineProcessSettings
+
+    # inherited by vLLM's spawned EngineCore and worker (engine_process.py)
+    os.environ.update(EngineProcessSettings(cpu_sampling_fix=fix, draft_invariant_sampling=COUPLINGS[coupling]).to_env())
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     if spec and draft_sample_method != "greedy":   # sampled drafts: vLLM's coupling (draft probs given)
         spec["draft_sample_method"] = draft_sample_method

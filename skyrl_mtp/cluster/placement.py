@@ -1,10 +1,11 @@
 """Where engines and policy workers run: a bundle plan checked against what the Ray cluster has.
 
-A run asks for `generator.num_engines` vLLM engines of `generator.tensor_parallel_size` GPUs each
-and `trainer.placement.policy_num_workers` Megatron ranks (= tp*pp*cp*dp), either in separate GPU
-pools or colocated (each GPU hosts one policy rank and one engine rank; engines sleep while the
-policy trains). Planning is a pure function of the config and of the resources Ray reports, so
-an impossible request fails before any actor starts, with the numbers that do not add up.
+A run asks (`PlacementRequest`, from its run plan) for `generator.num_engines` vLLM engines of
+`generator.tensor_parallel_size` GPUs each and `trainer.placement.policy_num_workers` Megatron ranks
+(= tp*pp*cp*dp), either in separate GPU pools or colocated (each GPU hosts one policy rank and one
+engine rank; engines sleep while the policy trains). Planning is a pure function of the request and of
+the resources Ray reports, so a cluster too small fails before any actor starts, with the numbers
+that do not add up.
 
 The plan is one placement group (strategy PACK):
 - separate: one bundle per engine `{CPU: cpus_per_engine, GPU: TP}` (an engine's TP GPUs must sit
@@ -28,6 +29,20 @@ from skyrl_mtp.errors import PlacementError
 
 
 @dataclass(frozen=True)
+class PlacementRequest:
+    """What a run asks of the cluster (built from `trainer.placement.*` and `generator.*` by the run plan)."""
+
+    num_engines: int
+    engine_tensor_parallel: int      # GPUs of one engine on GPUs (generator.tensor_parallel_size)
+    policy_workers: int              # Megatron ranks (= tp*pp*cp*dp)
+    cpus_per_engine: float
+    cpus_per_policy_worker: float
+    gpus_per_engine: int             # 0: CPU engines
+    gpus_per_policy_worker: int      # 0: CPU policy ranks
+    colocate: bool
+
+
+@dataclass(frozen=True)
 class ActorPlacement:
     role: str                       # "engine" or "policy"
     index: int                      # engine index, or policy rank
@@ -46,6 +61,7 @@ class PlacementPlan:
     engines: tuple[ActorPlacement, ...]
     policy: tuple[ActorPlacement, ...]
     required: dict[str, float]                   # totals over bundles: {"CPU": .., "GPU": ..}
+    request: PlacementRequest | None = None      # what it was built from
 
     def describe(self) -> str:
         lines = [f"placement ({self.device}, {'colocated' if self.colocate else 'separate'}): "
@@ -62,17 +78,15 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def build_plan(cfg: Any) -> PlacementPlan:
-    """The bundle plan of a validated config (config/validation.py checks the layout's consistency)."""
-    pl = cfg.trainer.placement
-    n_eng, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
-    n_pol = int(pl.policy_num_workers)
-    ce, cw = float(pl.cpus_per_engine), float(pl.cpus_per_policy_worker)
-    gpu = pl.gpus_per_engine > 0
+def build_plan(req: PlacementRequest) -> PlacementPlan:
+    """The bundle plan of a validated request (config/validation.py checks the layout's consistency)."""
+    n_eng, tp, n_pol = req.num_engines, req.engine_tensor_parallel, req.policy_workers
+    ce, cw = float(req.cpus_per_engine), float(req.cpus_per_policy_worker)
+    gpu = req.gpus_per_engine > 0
     bundles: list[dict[str, float]] = []
     engines: list[ActorPlacement] = []
     policy: list[ActorPlacement] = []
-    if gpu and pl.colocate:
+    if gpu and req.colocate:
         for e in range(n_eng):
             ranks = tuple(range(e * tp, (e + 1) * tp))
             bundles.append({"CPU": ce + tp * cw, "GPU": float(tp)})
@@ -88,41 +102,39 @@ def build_plan(cfg: Any) -> PlacementPlan:
             bundles.append(_bundle(cw, gw))
             policy.append(ActorPlacement("policy", r, n_eng + r, cw, gw))
     required = {"CPU": sum(b.get("CPU", 0.0) for b in bundles), "GPU": sum(b.get("GPU", 0.0) for b in bundles)}
-    return PlacementPlan("gpu" if gpu else "cpu", bool(gpu and pl.colocate), tuple(bundles), "PACK",
-                         tuple(engines), tuple(policy), required)
+    return PlacementPlan("gpu" if gpu else "cpu", bool(gpu and req.colocate), tuple(bundles), "PACK",
+                         tuple(engines), tuple(policy), required, req)
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
 
 
-def _breakdown(cfg: Any, plan: PlacementPlan, resource: str) -> str:
-    pl = cfg.trainer.placement
-    n_eng, tp, n_pol = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size), int(pl.policy_num_workers)
+def _breakdown(req: PlacementRequest, plan: PlacementPlan, resource: str) -> str:
+    n_eng, tp, n_pol = req.num_engines, req.engine_tensor_parallel, req.policy_workers
     if resource == "GPU":
         if plan.colocate:
             return (f"{n_pol} for {n_pol} policy workers (tp*pp*cp*dp); the {n_eng} engines x TP {tp} share them")
         return f"{n_eng * tp} for {n_eng} engine(s) x TP {tp} + {n_pol} for {n_pol} policy worker(s)"
-    return (f"{_fmt(n_eng * float(pl.cpus_per_engine))} for {n_eng} engine(s) x {_fmt(pl.cpus_per_engine)} + "
-            f"{_fmt(n_pol * float(pl.cpus_per_policy_worker))} for {n_pol} policy worker(s) x "
-            f"{_fmt(pl.cpus_per_policy_worker)}")
+    return (f"{_fmt(n_eng * req.cpus_per_engine)} for {n_eng} engine(s) x {_fmt(req.cpus_per_engine)} + "
+            f"{_fmt(n_pol * req.cpus_per_policy_worker)} for {n_pol} policy worker(s) x "
+            f"{_fmt(req.cpus_per_policy_worker)}")
 
 
-def plan_placement(cfg: Any, cluster_resources: Mapping[str, float],
+def plan_placement(plan: PlacementPlan, cluster_resources: Mapping[str, float],
                    node_resources: Sequence[Mapping[str, float]] | None = None) -> PlacementPlan:
-    """The bundle plan for `cfg` on a cluster, or PlacementError saying what is requested vs available.
+    """`plan` (build_plan's) checked against a cluster, or PlacementError saying what is requested vs available.
 
-    cfg: the run config (DictConfig or SkyRLConfig). cluster_resources: `ray.cluster_resources()`.
+    cluster_resources: `ray.cluster_resources()`.
     node_resources: optionally the per-node totals (`[n["Resources"] for n in ray.nodes() if n["Alive"]]`);
     given, every bundle must also fit on one node (an engine's TP GPUs cannot span nodes).
     """
-    plan = build_plan(cfg)
     short = []
     for resource in ("GPU", "CPU"):
         need = plan.required.get(resource, 0.0)
         have = float(cluster_resources.get(resource, 0.0))
         if need > have + 1e-9:
-            short.append(f"needs {_fmt(need)} {resource}s ({_breakdown(cfg, plan, resource)}) but the cluster has "
+            short.append(f"needs {_fmt(need)} {resource}s ({_breakdown(plan.request, plan, resource)}) but the cluster has "
                          f"{_fmt(have)}")
     if short:
         raise PlacementError("cluster too small: " + "; ".join(short))
@@ -195,9 +207,9 @@ def release(placement_group: Any) -> None:
     remove_placement_group(placement_group)
 
 
-def plan_for_running_cluster(cfg: Any) -> PlacementPlan:
+def plan_for_running_cluster(plan: PlacementPlan) -> PlacementPlan:
     """`plan_placement` against the Ray session this process is connected to (call after ray.init)."""
     import ray
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    return plan_placement(cfg, ray.cluster_resources(), nodes)
+    return plan_placement(plan, ray.cluster_resources(), nodes)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from skyrl_mtp.engine_process import EngineProcessSettings
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
@@ -28,17 +29,19 @@ from skyrl_mtp.weight_sync.transport import WORKER_CHECKED_BACKENDS
 
 logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
-CPU_SAMPLING_FIX_ENV = "SKYRL_MTP_CPU_SAMPLING_FIX"
-DRAFT_INVARIANT_SAMPLING_ENV = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
+
+
+def engine_process_settings(cfg: EngineConfig, model_family: str | None = None) -> EngineProcessSettings:
+    """What the engine's vLLM processes read (engine_process.py), from the engine's config."""
+    return EngineProcessSettings(cpu_sampling_fix=cfg.cpu_sampling_fix,
+                                 draft_invariant_sampling=cfg.draft_invariant_sampling,
+                                 kv_replay_cache=cfg.num_speculative_tokens > 0, model_family=model_family)
 
 
 def engine_environment(cfg: EngineConfig) -> dict[str, str]:
     """Environment variables the engine process sets before building vLLM (inherited by its workers)."""
-    env = {CPU_SAMPLING_FIX_ENV: "1" if cfg.cpu_sampling_fix else "0",
-           DRAFT_INVARIANT_SAMPLING_ENV: "1" if cfg.draft_invariant_sampling else "0"}
-    if cfg.num_speculative_tokens > 0:   # read by the vLLM plugin in the engine core (kv_replay_cache.py)
-        env[kv_replay_cache.ENV_VAR] = "1"
-    if cfg.adaptive_speculation:   # read by the engine core's scheduler (adaptive_scheduler.py)
+    env: dict[str, str] = {}
+    if cfg.adaptive_speculation:   # read by the engine core's scheduler (speculation/scheduler_hook.py)
         env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
         if cfg.policy_trace_dir is not None:
             env[POLICY_TRACE_ENV] = cfg.policy_trace_dir
@@ -207,13 +210,13 @@ class InferenceEngine:
         if (warning := unread_thread_binding(kwargs, on_cpu=on_cpu)) is not None:
             logger.warning("engine %d: %s", engine_index, warning)
 
-        from skyrl_mtp.models.families import FAMILY_ENV, engine_kwargs_for_family, serving_family
+        from skyrl_mtp.models.families import engine_kwargs_for_family, serving_family
 
         family = serving_family(cfg.model_path)  # what vLLM needs for this model family (e.g. Qwen3.5), if any
         if family is not None:
             kwargs = engine_kwargs_for_family(family, kwargs, cfg.engine_kwargs, on_cpu=on_cpu)
-            family.prepare_vllm_import()
-            os.environ[FAMILY_ENV] = family.name  # the workers make the same preparation (worker_extension.py)
+            family.prepare_vllm_import()   # the workers make the same preparation (worker_extension.py)
+        os.environ.update(engine_process_settings(cfg, family.name if family is not None else None).to_env())
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._request_ids = itertools.count()
         self._session: dict[str, Any] | None = None

@@ -14,25 +14,23 @@ import os
 
 import torch
 
+from skyrl_mtp import engine_process
 from skyrl_mtp.models.families import prepare_vllm_worker
 from skyrl_mtp.vllm_patches import draft_invariant_sampling
 from skyrl_mtp.vllm_patches.cpu_sampling_fix import apply_if_needed
 from skyrl_mtp.weight_sync.registration import register_cpu_transport
 
+SETTINGS = engine_process.current()   # set by the engine actor (rollout/engine.py) and inherited
 register_cpu_transport()   # before vLLM builds this worker's weight-transfer engine (at model load)
-prepare_vllm_worker()      # before the model loads: the served family's vLLM model code importable here
+prepare_vllm_worker(SETTINGS.model_family)   # before the model loads: the served family's vLLM code importable
 
-# The single call site of the CPU sampling fix (issue 8). This module is imported in every vLLM worker
-# process (worker_extension_cls), where the sampler runs; SKYRL_MTP_CPU_SAMPLING_FIX is set from
-# EngineConfig.cpu_sampling_fix by engine.engine_environment() in the engine actor and inherited.
+# The single call site of the CPU sampling fixes. This module is imported in every vLLM worker process
+# (worker_extension_cls), where the sampler and the rejection sampler run.
 CPU_SAMPLING_FIX_STATUS = "not_cpu"
-if not torch.cuda.is_available():  # imported in vLLM's worker process: fix its CPU spec-decode sampling there
-    CPU_SAMPLING_FIX_STATUS = apply_if_needed(os.environ.get("SKYRL_MTP_CPU_SAMPLING_FIX", "1") != "0")
-# Same place, same reason: the rejection sampler runs here. Set from EngineConfig.draft_invariant_sampling.
 DRAFT_INVARIANT_SAMPLING_STATUS = "not_cpu"
 if not torch.cuda.is_available():
-    DRAFT_INVARIANT_SAMPLING_STATUS = draft_invariant_sampling.apply_if_enabled(
-        os.environ.get(draft_invariant_sampling.ENV_VAR, "1") != "0")
+    CPU_SAMPLING_FIX_STATUS = apply_if_needed(SETTINGS.cpu_sampling_fix)
+    DRAFT_INVARIANT_SAMPLING_STATUS = draft_invariant_sampling.apply_if_enabled(SETTINGS.draft_invariant_sampling)
 
 _WEIGHT_TRANSFER_API = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
                         "update_weights", "finish_weight_update", "get_draft_model")

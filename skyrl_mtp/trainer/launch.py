@@ -1,4 +1,4 @@
-"""`run(cfg)`: everything between a validated config and a finished run.
+"""`run(cfg)`: everything between a validated config and a finished run, wiring only.
 
 Resolves the model (a user checkpoint, or the tiny embedded one built once and cached), the data
 (user files, or the synthetic task generated locally), checks both before any actor starts, runs
@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from skyrl_mtp.errors import ConfigError, problem
 from skyrl_mtp.runtime_env import configure_offline_caches
-from skyrl_mtp.trainer import run_plan as build
+from skyrl_mtp.trainer.run_plan import RunPlan, build_run_plan
 
 
 def log(msg: str) -> None:
@@ -36,8 +36,8 @@ def cache_root() -> Path:
 
 # ---------------------------------------------------------------------------------------------- model / data
 
-def resolve_model(cfg: DictConfig, cache: Path) -> Path:
-    src = build.model_source(cfg)
+def resolve_model(plan: RunPlan, cache: Path) -> Path:
+    src = plan.model
     if src.path is not None:
         return Path(src.path)
     from skyrl_mtp.models.tiny import cached_tiny_checkpoint
@@ -48,8 +48,8 @@ def resolve_model(cfg: DictConfig, cache: Path) -> Path:
     return path
 
 
-def synthetic_data(cfg: DictConfig, cache: Path) -> dict[str, Path]:
-    d = build.data_settings(cfg)
+def synthetic_data(plan: RunPlan, cache: Path) -> dict[str, Path]:
+    d = plan.data
     params = dict(d.synthetic_params)
     key_params = {k: v for k, v in params.items() if k != "topk"}   # the cache key of data generated before topk
     key = hashlib.sha256(json.dumps(key_params, sort_keys=True).encode()).hexdigest()[:12]
@@ -86,11 +86,11 @@ def search_task_spec(params: dict[str, Any]):
                           num_warmstart_entities=params["warmstart_entities"])
 
 
-def load_examples(cfg: DictConfig, paths: list[Path], tokenizer: Any, what: str) -> list:
+def load_examples(plan: RunPlan, paths: list[Path], tokenizer: Any, what: str) -> list:
     from skyrl_mtp.data.datasets import load_prompt_dataset
     from skyrl_mtp.envs.environments import encode_prompt
 
-    d = build.data_settings(cfg)
+    d = plan.data
     out, skipped, too_long = [], 0, 0
     for i, p in enumerate(paths):
         try:
@@ -111,23 +111,23 @@ def load_examples(cfg: DictConfig, paths: list[Path], tokenizer: Any, what: str)
     return out
 
 
-def warm_start_examples(cfg: DictConfig, data: dict[str, Path], tokenizer: Any) -> list:
+def warm_start_examples(plan: RunPlan, data: dict[str, Path], tokenizer: Any) -> list:
     from skyrl_mtp.envs.environments import encode_prompt
     from skyrl_mtp.trainer.warm_start import SFTExample
 
     eos = [tokenizer.eos_token_id]
     out = []
-    if cfg.data.synthetic == "arithmetic":
+    if plan.data.synthetic == "arithmetic":
         from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, generate_rows, sft_examples
 
-        params = dict(build.data_settings(cfg).synthetic_params)
+        params = dict(plan.data.synthetic_params)
         rows = generate_rows(ArithmeticTaskConfig(digits=params["digits"], num_train=params["num_train"],
                                                   num_test=0, seed=params["seed"]))["train"]
         for ex in sft_examples(rows):
             resp = tokenizer.encode(ex["response"], add_special_tokens=False) + eos
             out.append(SFTExample(encode_prompt(tokenizer, ex["prompt"]), resp))
         return out
-    if cfg.data.synthetic == "search":
+    if plan.data.synthetic == "search":
         import datasets
 
         for row in datasets.load_dataset("parquet", data_files=str(data["warmstart"]), split="train"):
@@ -144,7 +144,7 @@ def warm_start_examples(cfg: DictConfig, data: dict[str, Path], tokenizer: Any) 
 
 # ---------------------------------------------------------------------------------------------- workers
 
-def start_ray(cfg: DictConfig) -> None:
+def start_ray(plan: RunPlan) -> None:
     import ray
 
     if ray.is_initialized():
@@ -154,18 +154,18 @@ def start_ray(cfg: DictConfig) -> None:
         return
     from skyrl_mtp.tracking.quiet_logs import filter_ray_handlers, ray_init_kwargs
 
-    verbose = build.tracker_config(cfg).verbose
+    verbose = plan.tracker.verbose
     if not verbose:
         filter_ray_handlers()
-    need = build.placement_plan(cfg).required["CPU"]
+    need = plan.placement.required["CPU"]
     ray.init(num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
              **ray_init_kwargs(verbose))
 
 
-def build_environment(cfg: DictConfig, client: Any, tokenizer: Any, data: dict[str, Path]):
+def build_environment(plan: RunPlan, client: Any, tokenizer: Any, data: dict[str, Path]):
     from skyrl_mtp.envs.environments import MathEnvironment, SearchEnvironment
 
-    e = build.environment_settings(cfg)
+    e = plan.environment
     if e.name == "math":
         from skyrl_mtp.envs.math_reward import MathReward
 
@@ -189,23 +189,23 @@ def build_environment(cfg: DictConfig, client: Any, tokenizer: Any, data: dict[s
 
 # ---------------------------------------------------------------------------------------------- run
 
-def check_run_dir(cfg: DictConfig) -> None:
+def check_run_dir(plan: RunPlan) -> None:
     from skyrl_mtp.trainer.run_dir import RunDir
 
-    loop = build.loop_config(cfg)
+    loop = plan.loop
     rd = RunDir(loop.run_dir)
     if loop.resume == "never" and (rd.metrics_file.exists() or rd.complete_steps()):
-        raise ConfigError([problem("trainer.run_dir", cfg.trainer.run_dir,
+        raise ConfigError([problem("trainer.run_dir", loop.run_dir,
                                    "already holds a run and trainer.resume=never would overwrite it; choose a new "
                                    "run_dir or set trainer.resume=auto to continue it")])
 
 
 def run(cfg: DictConfig) -> int:
-    from skyrl_mtp.cluster.placement import PlacementError
-    from skyrl_mtp.errors import RunStoppedError
+    """Run a validated config (config.load_config's); returns the exit status."""
+    from skyrl_mtp.errors import PlacementError, RunStoppedError
 
     try:
-        return _run(cfg)
+        return _run(build_run_plan(cfg))
     except ConfigError as err:
         print(f"skyrl-mtp: {err}", file=sys.stderr)
         return 2
@@ -217,7 +217,7 @@ def run(cfg: DictConfig) -> int:
         return 1
 
 
-def _run(cfg: DictConfig) -> int:
+def _run(plan: RunPlan) -> int:
     import ray
     from transformers import AutoTokenizer
 
@@ -228,47 +228,45 @@ def _run(cfg: DictConfig) -> int:
     t_start = time.perf_counter()
     cache = cache_root()
     configure_offline_caches(cache)
-    quiet_library_logs(build.tracker_config(cfg).verbose, cache / "logging")   # before Ray starts: workers inherit it
-    check_run_dir(cfg)
-    base_model = resolve_model(cfg, cache)
-    data = synthetic_data(cfg, cache) if cfg.data.synthetic else {}
-    train_files = [Path(p) for p in cfg.data.train_files] or [data["train"]]
-    val_files = [Path(p) for p in cfg.data.val_files] or ([data["val"]] if "val" in data else [])
+    quiet_library_logs(plan.tracker.verbose, cache / "logging")   # before Ray starts: workers inherit it
+    check_run_dir(plan)
+    base_model = resolve_model(plan, cache)
+    data = synthetic_data(plan, cache) if plan.data.synthetic else {}
+    train_files = [Path(p) for p in plan.data.train_files] or [data["train"]]
+    val_files = [Path(p) for p in plan.data.val_files] or ([data["val"]] if "val" in data else [])
     tokenizer = AutoTokenizer.from_pretrained(str(base_model))
-    train = load_examples(cfg, train_files, tokenizer, "train")
-    val = load_examples(cfg, val_files, tokenizer, "val") if val_files else []
-    loop = build.loop_config(cfg)
+    train = load_examples(plan, train_files, tokenizer, "train")
+    val = load_examples(plan, val_files, tokenizer, "val") if val_files else []
+    loop = plan.loop
     run_dir = RunDir(loop.run_dir)
-    run_dir.create(cfg)
+    run_dir.create(plan.config)
 
-    start_ray(cfg)
+    start_ray(plan)
     engines = policy = env = tracker = placement_group = None
     try:
         from skyrl_mtp.cluster.placement import plan_for_running_cluster, release, reserve
 
-        plan = plan_for_running_cluster(cfg)   # a cluster too small fails here, before any actor starts
-        log(plan.describe())
+        placement = plan_for_running_cluster(plan.placement)   # a cluster too small fails here, before any actor
+        log(placement.describe())
         model_path = base_model
-        if build.warm_start_settings(cfg).enabled:
-            model_path = _warm_start(cfg, base_model, data, tokenizer, cache)
-        placement_group = reserve(plan)
-        engines, policy = _start_workers(cfg, model_path, plan, placement_group)
-        env = build_environment(cfg, engines, tokenizer, data)
+        if plan.warm_start.enabled:
+            model_path = _warm_start(plan, base_model, data, tokenizer, cache)
+        placement_group = reserve(placement)
+        engines, policy = _start_workers(plan, model_path, placement_group)
+        env = build_environment(plan, engines, tokenizer, data)
         from skyrl_mtp.trainer.trainer import RLTrainer
         from skyrl_mtp.weight_sync.policy_link import PolicyEngineLink
         from skyrl_mtp.weight_sync.step_sync import StepSync
 
-        weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines,
-                               colocate=bool(cfg.trainer.placement.colocate))
-        trainer = RLTrainer(cfg, engines=engines, policy=policy, env=env, tokenizer=tokenizer,
+        weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines, colocate=placement.colocate)
+        trainer = RLTrainer(loop, engines=engines, policy=policy, env=env, tokenizer=tokenizer,
                             train_examples=train, val_examples=val, run_dir=run_dir, tracker=None, log=log,
                             weight_sync=weight_sync)
         resumed = trainer.resume_if_possible()
-        tracker = Tracker.from_config(run_dir.root, build.tracker_config(cfg),
-                                      config=OmegaConf.to_container(cfg, resolve=True), resume_step=resumed,
+        tracker = Tracker.from_config(run_dir.root, plan.tracker, config=plan.config, resume_step=resumed,
                                       stream=sys.stderr)
         trainer.tracker = tracker
-        _write_run_info(run_dir, cfg, model_path, engines, policy, plan, placement_group)
+        _write_run_info(run_dir, model_path, engines, policy, placement, placement_group)
         if resumed:
             trainer.sync_weights()
         elif loop.eval_every_n_steps and val:
@@ -287,22 +285,22 @@ def _run(cfg: DictConfig) -> int:
             release(placement_group)
         if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
             ray.shutdown()
-    _finish(cfg, run_dir)
+    _finish(plan, run_dir)
     log(f"done in {time.perf_counter() - t_start:.1f}s; run dir {run_dir.root.resolve()}")
     return 0
 
 
-def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokenizer: Any, cache: Path) -> Path:
+def _warm_start(plan: RunPlan, base_model: Path, data: dict[str, Path], tokenizer: Any, cache: Path) -> Path:
     from skyrl_mtp.policy.worker import PolicyWorker
     from skyrl_mtp.trainer.warm_start import warm_start
 
-    ws = build.warm_start_settings(cfg)
-    actor_opts = build.placement_plan(cfg).policy[0]
+    ws = plan.warm_start
+    actor_opts = plan.placement.policy[0]
 
     def start_worker(path: Path, lr: float):
         import ray
 
-        wcfg = build.warm_start_worker_config(cfg)
+        wcfg = plan.warm_start_worker
         if lr != wcfg.policy_lr:
             raise ValueError(f"warm start asked for lr={lr}, its worker config has {wcfg.policy_lr}")
         actor = PolicyWorker.options(num_cpus=actor_opts.num_cpus, num_gpus=actor_opts.num_gpus) \
@@ -311,11 +309,11 @@ def _warm_start(cfg: DictConfig, base_model: Path, data: dict[str, Path], tokeni
         return actor
 
     root = Path(ws.cache_dir) if ws.cache_dir else cache / "warm_start"
-    return warm_start(base_model, root, warm_start_examples(cfg, data, tokenizer), ws.plan,
+    return warm_start(base_model, root, warm_start_examples(plan, data, tokenizer), ws.plan,
                       tokenizer.pad_token_id, start_worker, log=log)
 
 
-def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group: Any):
+def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any):
     """Engines and policy ranks, each in its bundle of the plan's placement group with the plan's
     per-actor resources (a colocated engine takes 0 GPUs: Ray accounts its GPUs to the policy ranks
     that share them)."""
@@ -323,19 +321,22 @@ def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group
     from skyrl_mtp.rollout.client import EngineClient
     from skyrl_mtp.trainer.policy_group import PolicyGroup
 
-    pl, m = cfg.trainer.placement, cfg.megatron
-    ecfg = build.engine_config(cfg, model_path)
-    engine_options = [actor_options(placement_group, a) for a in plan.engines]
-    if plan.colocate:   # Ray hides every GPU from a 0-GPU actor: show each engine its policy ranks' GPUs
+    placement, wcfg = plan.placement, plan.policy_worker
+    ecfg = plan.engine_for(model_path)
+    engine_options = [actor_options(placement_group, a) for a in placement.engines]
+
+    def start_policy() -> PolicyGroup:
+        return PolicyGroup.create(wcfg, str(model_path), len(placement.policy), wcfg.tp, wcfg.pp, 1, wcfg.dp,
+                                  per_rank_options=[actor_options(placement_group, a) for a in placement.policy])
+
+    if placement.colocate:   # Ray hides every GPU from a 0-GPU actor: show each engine its policy ranks' GPUs
         from skyrl_mtp.rollout.engine import colocated_gpu_options
 
-        policy = PolicyGroup.create(build.policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
-                                    m.tp, m.pp, m.cp, m.dp,
-                                    per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
+        policy = start_policy()
         try:
             gpu_ids = policy.gpu_ids()
             engine_options = [{**o, **colocated_gpu_options([gpu_ids[r] for r in a.shares_gpus_with])}
-                              for o, a in zip(engine_options, plan.engines)]
+                              for o, a in zip(engine_options, placement.engines)]
             return EngineClient.create(ecfg, per_engine_options=engine_options), policy
         except BaseException:
             policy.shutdown()
@@ -343,9 +344,7 @@ def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group
     with ThreadPoolExecutor(max_workers=1) as pool:
         fut = pool.submit(EngineClient.create, ecfg, per_engine_options=engine_options)
         try:
-            policy = PolicyGroup.create(build.policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
-                                        m.tp, m.pp, m.cp, m.dp,
-                                        per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
+            policy = start_policy()
         except BaseException:
             try:
                 fut.result().shutdown()
@@ -370,13 +369,13 @@ def _actor_placement_groups(actors: list[Any]) -> list[str | None]:
     return ray.get([a.__ray_call__.remote(where) for a in actors])
 
 
-def _write_run_info(run_dir, cfg: DictConfig, model_path: Path, engines: Any, policy: Any, plan: Any,
+def _write_run_info(run_dir, model_path: Path, engines: Any, policy: Any, placement: Any,
                     placement_group: Any) -> None:
     info = {
-        "placement": {"placement_group": placement_group.id.hex(), "strategy": plan.strategy,
-                      "bundles": list(plan.bundles),
-                      "engine_bundles": [a.bundle_index for a in plan.engines],
-                      "policy_bundles": [a.bundle_index for a in plan.policy],
+        "placement": {"placement_group": placement_group.id.hex(), "strategy": placement.strategy,
+                      "bundles": list(placement.bundles),
+                      "engine_bundles": [a.bundle_index for a in placement.engines],
+                      "policy_bundles": [a.bundle_index for a in placement.policy],
                       "engine_actors_in": _actor_placement_groups(engines.actors),
                       "policy_actors_in": _actor_placement_groups(policy.workers)},
         "model_path": str(model_path),
@@ -389,12 +388,12 @@ def _write_run_info(run_dir, cfg: DictConfig, model_path: Path, engines: Any, po
     (run_dir.root / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
 
 
-def _finish(cfg: DictConfig, run_dir) -> None:
+def _finish(plan: RunPlan, run_dir) -> None:
     from skyrl_mtp.tracking.summary import format_summary, summarize
 
     if not run_dir.metrics_file.exists():
         return
-    if build.tracker_config(cfg).plots:
+    if plan.tracker.plots:
         from skyrl_mtp.tracking.plots import write_plots
 
         written = write_plots(run_dir.metrics_file, run_dir.plots)

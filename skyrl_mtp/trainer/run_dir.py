@@ -12,7 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
@@ -34,10 +34,11 @@ class RunDir:
     def plots(self) -> Path:
         return self.root / "plots"
 
-    def create(self, cfg: DictConfig) -> None:
+    def create(self, config: dict) -> None:
+        """The directory, with the run's resolved config (plain containers) as config.yaml."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
-        (self.root / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (self.root / "config.yaml").write_text(OmegaConf.to_yaml(config))
 
     def step_dir(self, step: int) -> Path:
         return self.checkpoints / f"step_{step}"

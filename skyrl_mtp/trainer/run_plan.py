@@ -1,11 +1,12 @@
-"""Build every component's settings from a run's validated config: one function per component.
+"""The run plan: a validated config turned, once, into the frozen settings of every component.
 
-This is the only place that maps the user's keys (`trainer.*`, `megatron.*`, `generator.*`, ...) to the
-fields of the objects the components take: the policy workers (`PolicyWorkerConfig`), the inference
-engines (`EngineConfig`), the RL loop (`LoopConfig`), the environment, the data, the model, the warm
-start, the placement plan and the tracker. The launcher and the trainer call these functions and copy
-no field themselves, so `tests/unit/config/test_every_key_reaches_a_component.py` can prove, key by key,
-that changing a key changes what a component receives (`built_components`).
+`build_run_plan(cfg)` is the only place that maps the user's keys (`trainer.*`, `megatron.*`,
+`generator.*`, ...) to the fields of the objects the components take: the policy workers
+(`PolicyWorkerConfig`), the inference engines (`EngineConfig`), the RL loop (`LoopConfig`), the
+environment, the data, the model, the warm start, the placement plan and the tracker. The launcher and
+the trainer take the plan and never read the config, so `tests/unit/config/test_every_key_reaches_a_component.py`
+can prove, key by key, that changing a key changes what a component receives. One function per
+component below builds its part.
 """
 
 from __future__ import annotations
@@ -306,14 +307,56 @@ def tracker_config(cfg: DictConfig):
                          wandb_mode=str(lg.wandb_mode), plots=bool(lg.plots), verbose=bool(lg.verbose))
 
 
+def placement_request(cfg: DictConfig):
+    """What the run asks of the Ray cluster: its engines and policy ranks, their CPUs and GPUs."""
+    from skyrl_mtp.cluster.placement import PlacementRequest
+
+    pl, g = cfg.trainer.placement, cfg.generator
+    return PlacementRequest(num_engines=int(g.num_engines), engine_tensor_parallel=int(g.tensor_parallel_size),
+                            policy_workers=int(pl.policy_num_workers), cpus_per_engine=float(pl.cpus_per_engine),
+                            cpus_per_policy_worker=float(pl.cpus_per_policy_worker),
+                            gpus_per_engine=int(pl.gpus_per_engine), gpus_per_policy_worker=int(pl.gpus_per_policy_worker),
+                            colocate=bool(pl.colocate))
+
+
 def placement_plan(cfg: DictConfig):
     from skyrl_mtp.cluster.placement import build_plan
 
-    return build_plan(cfg)
+    return build_plan(placement_request(cfg))
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every component's settings of one run, built once from its validated config (`build_run_plan`)."""
+
+    policy_worker: Any          # skyrl_mtp.policy.config.PolicyWorkerConfig
+    warm_start_worker: Any      # the same, for the supervised warm start's single worker
+    warm_start: WarmStartSettings
+    engine: Any                 # skyrl_mtp.rollout.config.EngineConfig; model_path set once the model is resolved
+    loop: LoopConfig
+    model: ModelSource
+    data: DataSettings
+    environment: EnvironmentSettings
+    tracker: Any                # skyrl_mtp.tracking.tracker.TrackerConfig
+    placement: Any              # skyrl_mtp.cluster.placement.PlacementPlan
+    config: Any                 # the resolved config as plain containers: written to the run dir and the tracker
+
+    def engine_for(self, model_path: str | Path):
+        """The engines' config once the model they serve is known (the user's, the tiny one, or the warm start's)."""
+        from dataclasses import replace
+
+        return replace(self.engine, model_path=str(model_path))
+
+
+def build_run_plan(cfg: DictConfig) -> RunPlan:
+    """The run plan of a validated config (config.load_config validates it)."""
+    return RunPlan(**built_components(cfg), config=OmegaConf.to_container(cfg, resolve=True))
 
 
 def built_components(cfg: DictConfig, model_path: str = "/model") -> dict[str, Any]:
-    """Every component's settings of `cfg` (what the key-coverage test compares)."""
+    """Every component's settings of `cfg`, by RunPlan field (what the key-coverage test compares)."""
     return {"policy_worker": policy_worker_config(cfg), "warm_start_worker": warm_start_worker_config(cfg),
             "warm_start": warm_start_settings(cfg), "engine": engine_config(cfg, model_path), "loop": loop_config(cfg),
             "model": model_source(cfg), "data": data_settings(cfg), "environment": environment_settings(cfg),

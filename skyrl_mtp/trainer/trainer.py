@@ -26,7 +26,7 @@ from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit, depths_to_train
 from skyrl_mtp.rollout.sampling import SamplingSpec
 from skyrl_mtp.trainer.finite_guard import check_update_metrics
 from skyrl_mtp.trainer.run_dir import RunDir, read_trainer_state
-from skyrl_mtp.trainer.run_plan import loop_config
+from skyrl_mtp.trainer.run_plan import LoopConfig
 from skyrl_mtp.trainer.step_timer import StepTimer
 
 FAULT_KILL_ENGINE_ENV = "SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP"
@@ -60,13 +60,13 @@ def combine_round_metrics(parts: list[dict[str, float]], summed: tuple[str, ...]
 class RLTrainer:
     clock: Callable[[], float] = staticmethod(time.perf_counter)   # times the step's phases
 
-    def __init__(self, cfg: Any, *, engines: Any, policy: Any, env: Environment, tokenizer: Any,
+    def __init__(self, loop: LoopConfig, *, engines: Any, policy: Any, env: Environment, tokenizer: Any,
                  train_examples: list[PromptExample], val_examples: list[PromptExample], run_dir: RunDir,
                  tracker: Any, log: Callable[[str], None] = print, weight_sync: Any = None):
-        self.cfg, self.engines, self.policy, self.env = cfg, engines, policy, env
+        self.engines, self.policy, self.env = engines, policy, env
         self.weight_sync = weight_sync   # rollout.weight_transfer.step_sync.StepSync: sync + colocation order
         self.tokenizer, self.run_dir, self.tracker, self.log = tokenizer, run_dir, tracker, log
-        self.loop = loop = loop_config(cfg)   # every setting of the loop; self.cfg only for what others add
+        self.loop = loop   # every setting of the loop (the run plan's)
         self.val_examples = val_examples[: loop.eval_batch_size]
         self.data = PromptBatchIterator(train_examples, min(loop.train_batch_size, len(train_examples)),
                                         shuffle=loop.shuffle, seed=loop.seed)

@@ -21,7 +21,7 @@ through `expand_batch_to_tokens` then proves the caller reaches the replacement.
 
 vLLM runs the sampler in a spawned worker process, so the call must happen there: the project's
 worker extension (`skyrl_mtp.rollout.worker_extension`, imported in every worker) calls
-`apply_if_needed(os.environ.get("SKYRL_MTP_CPU_SAMPLING_FIX", "1") != "0")` at import on CPU.
+`apply_if_needed(<the engine's cpu_sampling_fix setting>)` at import on CPU (engine_process.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ TARGET_ATTR = "_expand_kernel_impl"
 TARGET = f"{TARGET_MODULE}.{TARGET_ATTR}"
 TARGET_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS")
 KERNEL_NAME = "vllm.v1.sample.rejection_sampler.expand_kernel"
-ENV_VAR = "SKYRL_MTP_CPU_SAMPLING_FIX"
 
 logger = logging.getLogger(__name__)
 if not logger.handlers and not logging.getLogger().handlers:
@@ -187,7 +186,7 @@ def _install() -> bool:
 def apply_if_needed(enabled: bool = True) -> str:
     """Install the fixed expand on CPU vLLM when the original is broken: "applied" | "not_needed" | "disabled"."""
     if not enabled:
-        return _done("disabled", f"{ENV_VAR}=0: {TARGET} left as is (spec decode at T > 0 may sample wrong tokens)")
+        return _done("disabled", f"generator.cpu_sampling_fix=false: {TARGET} left as is (spec decode at T > 0 may sample wrong tokens)")
     original = resolve_target()
     if getattr(original, "_skyrl_mtp_cpu_sampling_fix", False):
         return _done("applied", f"{TARGET} already replaced in this process")

@@ -26,7 +26,7 @@ Cases it does not cover fall back to vLLM's sampler (logged once): probabilistic
 (draft_probs given), synthetic acceptance mode, fp64 Gumbel noise, a non-CPU sampler, all-greedy
 batches (already draft-invariant). `install()` checks every vLLM name it relies on and raises
 `DraftInvariantSamplingError` naming what moved. It runs in vLLM's worker process, from the
-project's worker extension, when SKYRL_MTP_DRAFT_INVARIANT_SAMPLING=1.
+project's worker extension, when the engine's settings ask for it (generator.draft_invariant_sampling).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-ENV_VAR = "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING"
 SEED_HIGH = 2**31   # forward_cpu draws torch.randint(0, 2**31, (1,), generator=gen)
 FORWARD_PARAMS = ("metadata", "draft_probs", "logits", "sampling_metadata")
 METADATA_FIELDS = ("draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens",

@@ -12,8 +12,8 @@ pure (three ints in, a tuple out), so it is wrapped in an LRU cache in the engin
 
 Two ways in, both into that process: the adaptive scheduler installs it when it is built, and
 `vllm_plugin` (a vLLM general plugin, the `vllm.general_plugins` entry point in pyproject.toml, which
-vLLM runs when an EngineCore starts) installs it where the engine that started the process set
-`SKYRL_MTP_KV_REPLAY_CACHE=1`, which `engine.engine_environment` does for every engine that drafts, so
+vLLM runs when an EngineCore starts) installs it where the engine that started the process asks for it
+(`EngineProcessSettings.kv_replay_cache`, engine_process.py), as every engine that drafts does, so
 fixed-k engines, which run vLLM's own scheduler, get it too. The plugin also adds the engine-core
 utility `STATS_UTILITY` that reports the cache's counts.
 
@@ -27,14 +27,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 from typing import Any
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
 TARGET_ATTR = "replay_boundaries"
 TARGET_PARAMS = ("num_prompt_tokens", "scheduler_block_size", "use_eagle")
 CACHE_SIZE = 8192   # distinct (prompt length, block size, eagle) keys: at most max_model_len per block size
-ENV_VAR = "SKYRL_MTP_KV_REPLAY_CACHE"
 STATS_UTILITY = "skyrl_kv_replay_cache_stats"
 
 
@@ -81,8 +79,11 @@ def stats() -> dict[str, int] | None:
 
 def vllm_plugin() -> None:
     """vLLM general plugin (run in each vLLM process that loads plugins, the engine core included): where
-    ENV_VAR is "1", install the memo and the engine-core utility that reports it. Elsewhere, nothing."""
-    if os.environ.get(ENV_VAR) != "1":
+    the engine's settings ask for it (engine_process.py), install the memo and the engine-core utility that
+    reports it. Elsewhere, nothing."""
+    from skyrl_mtp import engine_process
+
+    if not engine_process.current().kv_replay_cache:
         return
     install()
     from vllm.v1.engine.core import EngineCore

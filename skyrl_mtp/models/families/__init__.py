@@ -52,7 +52,6 @@ def checkpoint_mtp_layers(hf_cfg: dict) -> tuple[str, int]:
     return fam.mtp_config_key, fam.declared_mtp_layers(hf_cfg)
 
 
-FAMILY_ENV = "SKYRL_MTP_MODEL_FAMILY"  # set by the engine process for its vLLM workers
 
 
 def family_by_name(name: str) -> ModelFamily:
@@ -75,11 +74,8 @@ def engine_kwargs_for_family(family: ModelFamily, kwargs: dict, user_kwargs: dic
     return out
 
 
-def prepare_vllm_worker() -> str | None:
-    """In a vLLM worker: make the served family's model code importable (family named by FAMILY_ENV)."""
-    import os
-
-    name = os.environ.get(FAMILY_ENV)
+def prepare_vllm_worker(name: str | None) -> str | None:
+    """In a vLLM worker: make the served family's model code importable (None: no family needs it)."""
     if name:
         family_by_name(name).prepare_vllm_import()
     return name
@@ -97,7 +93,7 @@ def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
 
 
 __all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "WeightMappingError", "WeightRule",
-           "FAMILY_ENV", "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
+           "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
            "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
            "serving_family"]
 

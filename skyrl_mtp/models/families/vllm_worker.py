@@ -6,9 +6,10 @@ vLLM imports the worker extension class first. The project's engines get this th
 rollout/worker_extension.py; a bare ``vllm.LLM`` (tests, scripts) names this class instead.
 """
 
+from skyrl_mtp import engine_process
 from skyrl_mtp.models.families import prepare_vllm_worker
 
-PREPARED_FAMILY = prepare_vllm_worker()
+PREPARED_FAMILY = prepare_vllm_worker(engine_process.current().model_family)
 
 
 class FamilyWorkerExtension:

@@ -12,6 +12,7 @@ from skyrl_mtp.cluster.placement import (
     reserve,
 )
 from skyrl_mtp.config import load_config
+from skyrl_mtp.trainer.run_plan import placement_plan
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +21,7 @@ def test_plan_schedules_actors_into_their_bundles(ray_local):
     import ray
 
     cfg = load_config(["recipe=tiny_dapo"])
-    plan = plan_for_running_cluster(cfg)
+    plan = plan_for_running_cluster(placement_plan(cfg))
     pg = reserve(plan, timeout_s=60)
     try:
         @ray.remote
@@ -45,7 +46,7 @@ def test_running_cluster_too_small_is_named(ray_local):
     cpus = int(ray.cluster_resources()["CPU"])
     cfg = load_config(["recipe=tiny_dapo", f"generator.num_engines={cpus}"])
     with pytest.raises(PlacementError, match=f"cluster too small: needs {cpus + 1} CPUs .* but the cluster has {cpus}"):
-        plan_for_running_cluster(cfg)
+        plan_for_running_cluster(placement_plan(cfg))
 
 
 def test_reserve_names_the_bundles_it_could_not_get_and_leaves_no_group(ray_local):
@@ -53,7 +54,7 @@ def test_reserve_names_the_bundles_it_could_not_get_and_leaves_no_group(ray_loca
 
     from ray.util import placement_group_table
 
-    plan = plan_for_running_cluster(load_config(["recipe=tiny_dapo"]))
+    plan = plan_for_running_cluster(placement_plan(load_config(["recipe=tiny_dapo"])))
     pg = reserve(plan, timeout_s=60)                       # the real plan fits
     release(pg)
     greedy = dataclasses.replace(plan, bundles=({"CPU": 4096.0},))

@@ -22,12 +22,13 @@ COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
 def main(request_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from skyrl_mtp.models.families import FAMILY_ENV, engine_kwargs_for_family, family_for_checkpoint
+    from skyrl_mtp.engine_process import EngineProcessSettings
+    from skyrl_mtp.models.families import engine_kwargs_for_family, family_for_checkpoint
 
     req = json.loads(open(request_path).read())
     family = family_for_checkpoint(req["model"])
     family.prepare_vllm_import()  # e.g. Qwen3.5's vLLM code without torchvision (inherited by the engine core)
-    os.environ[FAMILY_ENV] = family.name
+    os.environ.update(EngineProcessSettings(model_family=family.name).to_env())
     spec = {"method": "mtp", "num_speculative_tokens": req.get("num_speculative_tokens", 1)}
     if req.get("draft_model"):
         spec["model"] = req["draft_model"]

@@ -11,6 +11,7 @@ import yaml
 from skyrl_mtp.cluster.placement import PlacementError, plan_placement
 from skyrl_mtp.config import ConfigError, load_config
 from skyrl_mtp.config.validation import REQUIRED_PREFIX
+from skyrl_mtp.trainer.run_plan import placement_plan
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -100,12 +101,12 @@ def test_cluster_recipe_fits_its_documented_hardware(recipe, nodes, gpus, k, tmp
     cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
     assert cfg.trainer.mtp.num_speculative_tokens == k
     total = {r: sum(n[r] for n in nodes) for r in ("CPU", "GPU")}
-    plan = plan_placement(cfg, total, nodes)
+    plan = plan_placement(placement_plan(cfg), total, nodes)
     assert plan.device == "gpu" and plan.colocate
     assert plan.required["GPU"] == gpus
     assert len(plan.policy) == cfg.megatron.tp * cfg.megatron.pp * cfg.megatron.cp * cfg.megatron.dp == gpus
     with pytest.raises(PlacementError, match=f"cluster too small: needs {gpus} GPUs"):
-        plan_placement(cfg, {**total, "GPU": gpus - 1.0})
+        plan_placement(placement_plan(cfg), {**total, "GPU": gpus - 1.0})
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -12,7 +12,7 @@ from skyrl_mtp.rollout.config import (
     check_checkpoint,
     check_engine_kwargs_known,
 )
-from skyrl_mtp.rollout.engine import engine_environment
+from skyrl_mtp.rollout.engine import engine_process_settings
 from skyrl_mtp.rollout.sampling import SamplingSpec, validate_prompts
 
 
@@ -62,14 +62,23 @@ def test_mtp_requested_on_checkpoint_without_mtp_layers(tmp_path):
         check_checkpoint(EngineConfig(model_path=str(tmp_path / "missing")))
 
 
-def test_engine_environment_sets_sampling_fix_and_replay_memo():
-    assert engine_environment(EngineConfig(model_path="/x", cpu_sampling_fix=False)) == {
-        "SKYRL_MTP_CPU_SAMPLING_FIX": "0", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1"}
-    assert engine_environment(EngineConfig(model_path="/x", draft_invariant_sampling=False)) == {
-        "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "0"}
+def test_engine_process_settings_carry_the_sampling_switches_and_the_replay_memo(monkeypatch):
+    from skyrl_mtp import engine_process
+
+    off = engine_process_settings(EngineConfig(model_path="/x", cpu_sampling_fix=False))
+    assert (off.cpu_sampling_fix, off.draft_invariant_sampling, off.kv_replay_cache) == (False, True, False)
+    no_coupling = engine_process_settings(EngineConfig(model_path="/x", draft_invariant_sampling=False), "qwen3_5")
+    assert (no_coupling.draft_invariant_sampling, no_coupling.model_family) == (False, "qwen3_5")
     # an engine that drafts asks the vLLM plugin for the memo of replay boundaries (kv_replay_cache)
-    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2)) == {
-        "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1", "SKYRL_MTP_KV_REPLAY_CACHE": "1"}
+    drafting = engine_process_settings(EngineConfig(model_path="/x", num_speculative_tokens=2))
+    assert drafting.kv_replay_cache is True
+    # one variable carries the whole object, and a process reads back exactly what was set
+    (name, value), = drafting.to_env().items()
+    monkeypatch.setenv(name, value)
+    assert engine_process.current() == drafting
+    monkeypatch.setenv(name, value.replace('"speculation"', '"an_unknown_field"'))
+    with pytest.raises(ValueError, match="unknown fields"):
+        engine_process.current()
 
 
 @pytest.mark.parametrize("kwargs,match", [

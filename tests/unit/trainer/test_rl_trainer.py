@@ -22,6 +22,7 @@ from skyrl_mtp.envs.environments import RolloutGroup
 from skyrl_mtp.errors import NonFiniteMetricError
 from skyrl_mtp.tracking.tracker import Tracker, read_metrics
 from skyrl_mtp.trainer.run_dir import RunDir
+from skyrl_mtp.trainer.run_plan import build_run_plan
 from skyrl_mtp.trainer.trainer import RLTrainer
 
 
@@ -133,10 +134,11 @@ TOKENIZER = SimpleNamespace(pad_token_id=0, eos_token_id=1)
 def _trainer(tmp_path, *overrides, policy=None, env=None, tracker=None, run="run"):
     cfg = load_config(["recipe=tiny_dapo", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "data.shuffle=false",
                        f"trainer.run_dir={tmp_path / run}", *overrides])
-    rd = RunDir(cfg.trainer.run_dir)
-    rd.create(cfg)
+    plan = build_run_plan(cfg)
+    rd = RunDir(plan.loop.run_dir)
+    rd.create(plan.config)
     engines = FakeEngines()
-    return RLTrainer(cfg, engines=engines, policy=policy or FakePolicy(),
+    return RLTrainer(plan.loop, engines=engines, policy=policy or FakePolicy(),
                      env=env or FakeEnv(lambda p, i: i % 2), tokenizer=TOKENIZER, train_examples=EXAMPLES,
                      val_examples=[], run_dir=rd, tracker=tracker or ListTracker(), log=lambda m: None,
                      weight_sync=FakeSync(engines))

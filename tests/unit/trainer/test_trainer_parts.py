@@ -106,9 +106,10 @@ def test_warm_start_cache_key_depends_on_plan_and_data(tmp_path):
 def test_resume_never_refuses_to_overwrite_a_run(tmp_path):
     from skyrl_mtp.config import ConfigError, load_config
     from skyrl_mtp.trainer.launch import check_run_dir
+    from skyrl_mtp.trainer.run_plan import build_run_plan
 
     run = tmp_path / "run"
-    cfg = load_config(["recipe=tiny_dapo", f"trainer.run_dir={run}", "trainer.resume=never"])
+    cfg = build_run_plan(load_config(["recipe=tiny_dapo", f"trainer.run_dir={run}", "trainer.resume=never"]))
     check_run_dir(cfg)  # empty: fine
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -136,26 +137,28 @@ GOOD = {"prompt": [{"role": "user", "content": "What is 1+2?"}], "reward_model":
 def test_malformed_rows_are_a_clear_error_or_skipped_and_counted(tmp_path, tokenizer, capsys):
     from skyrl_mtp.config import ConfigError, load_config
     from skyrl_mtp.trainer.launch import load_examples
+    from skyrl_mtp.trainer.run_plan import build_run_plan
 
     path = _rows_file(tmp_path, [GOOD, {"prompt": "not a list", "reward_model": {"ground_truth": "1"}}, GOOD])
     cfg = load_config(["recipe=tiny_dapo"])
     with pytest.raises(ConfigError, match=r"data.train_files\[0\].*row 1: field 'prompt'"):
-        load_examples(cfg, [path], tokenizer, "train")
+        load_examples(build_run_plan(cfg), [path], tokenizer, "train")
     cfg = load_config(["recipe=tiny_dapo", "data.skip_malformed=true"])
-    assert len(load_examples(cfg, [path], tokenizer, "train")) == 2
+    assert len(load_examples(build_run_plan(cfg), [path], tokenizer, "train")) == 2
     assert "skipped 1 malformed rows" in capsys.readouterr().err
 
 
 def test_overlong_prompts_are_dropped_and_an_empty_result_is_an_error(tmp_path, tokenizer):
     from skyrl_mtp.config import ConfigError, load_config
     from skyrl_mtp.trainer.launch import load_examples
+    from skyrl_mtp.trainer.run_plan import build_run_plan
 
     long = {**GOOD, "prompt": [{"role": "user", "content": "9 " * 200}]}
     path = _rows_file(tmp_path, [GOOD, long])
     cfg = load_config(["recipe=tiny_dapo"])
-    assert len(load_examples(cfg, [path], tokenizer, "train")) == 1
+    assert len(load_examples(build_run_plan(cfg), [path], tokenizer, "train")) == 1
     with pytest.raises(ConfigError, match="no usable rows"):
-        load_examples(cfg, [_rows_file(tmp_path, [long])], tokenizer, "train")
+        load_examples(build_run_plan(cfg), [_rows_file(tmp_path, [long])], tokenizer, "train")
 
 
 def test_missing_data_file_fails_before_anything_starts(tmp_path, capsys):
@@ -194,12 +197,13 @@ def test_tiny_model_config_is_a_subset_of_the_model_spec():
 def test_resolve_model_builds_the_spec_from_model_tiny(tmp_path, monkeypatch):
     from skyrl_mtp.config import load_config
     from skyrl_mtp.trainer import launch
+    from skyrl_mtp.trainer.run_plan import build_run_plan
 
     seen = {}
     monkeypatch.setattr("skyrl_mtp.models.tiny.cached_tiny_checkpoint",
                         lambda root, spec: seen.update(root=root, spec=spec) or tmp_path / "ckpt")
     cfg = load_config(["recipe=tiny_dapo", "model.tiny.hidden=256", "model.tiny.seed=3"])
-    assert launch.resolve_model(cfg, tmp_path) == tmp_path / "ckpt"
+    assert launch.resolve_model(build_run_plan(cfg), tmp_path) == tmp_path / "ckpt"
     assert seen["spec"].hidden == 256 and seen["spec"].seed == 3 and seen["spec"].layers == 2
     assert seen["root"] == tmp_path / "models"
 

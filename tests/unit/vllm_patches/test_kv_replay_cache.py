@@ -8,6 +8,7 @@ pytest.importorskip("vllm")
 
 import vllm.v1.core.kv_cache_coordinator as kcc  # noqa: E402
 
+from skyrl_mtp import engine_process
 from skyrl_mtp.vllm_patches import kv_replay_cache  # noqa: E402
 
 
@@ -93,15 +94,20 @@ def no_utility(monkeypatch):
         delattr(EngineCore, kv_replay_cache.STATS_UTILITY)
 
 
+def _asks_for_the_memo() -> tuple[str, str]:
+    (name, value), = engine_process.EngineProcessSettings(kv_replay_cache=True).to_env().items()
+    return name, value
+
+
 def test_the_vllm_plugin_does_nothing_unless_its_engine_asked(original, no_utility, monkeypatch):
-    monkeypatch.delenv(kv_replay_cache.ENV_VAR, raising=False)
+    monkeypatch.delenv(engine_process.ENV_VAR, raising=False)
     kv_replay_cache.vllm_plugin()
     assert kcc.replay_boundaries is original and kv_replay_cache.stats() is None
     assert not hasattr(no_utility, kv_replay_cache.STATS_UTILITY)
 
 
 def test_the_vllm_plugin_installs_the_memo_and_its_engine_core_utility(original, no_utility, monkeypatch):
-    monkeypatch.setenv(kv_replay_cache.ENV_VAR, "1")
+    monkeypatch.setenv(*_asks_for_the_memo())
     kv_replay_cache.vllm_plugin()
     kv_replay_cache.vllm_plugin()   # vLLM may load plugins more than once in a process
     assert kcc.replay_boundaries is not original
@@ -119,7 +125,7 @@ def test_the_vllm_plugin_is_registered_as_a_general_plugin():
 
 
 def test_a_foreign_utility_of_the_same_name_is_refused(original, no_utility, monkeypatch):
-    monkeypatch.setenv(kv_replay_cache.ENV_VAR, "1")
+    monkeypatch.setenv(*_asks_for_the_memo())
     setattr(no_utility, kv_replay_cache.STATS_UTILITY, lambda self: None)
     with pytest.raises(kv_replay_cache.KvReplayCacheError, match="already has"):
         kv_replay_cache.vllm_plugin()
