@@ -5,21 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-
-def filter_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Bool keep-mask [N]: True for samples whose group has reward spread (max > min)."""
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
-    keep = torch.zeros_like(rewards, dtype=torch.bool)
-    for g in torch.unique(group_ids):
-        sel = group_ids == g
-        rg = rewards[sel]
-        if rg.max() > rg.min():
-            keep[sel] = True
-    return keep
-
 
 @dataclass
 class GroupAccumulator:

@@ -26,7 +26,6 @@ _TORCH_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _NAME_TO_TORCH = {v: k for k, v in _TORCH_NAMES.items()}
 
 # Names the MTP drafter's load_weights keeps (vllm/model_executor/models/mimo_mtp.py filters the same way).
-DRAFTER_NAME_MARKERS = ("mtp_layers", "embed_tokens", "lm_head")
 
 
 class WeightSyncError(ValueError):
@@ -113,10 +112,6 @@ def describe_tensors(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, tup
             raise WeightSyncError(f"weight {name!r} is a {type(t).__name__}; allowed: a torch.Tensor")
         out[name] = (tuple(t.shape), dtype_name(t.dtype))
     return out
-
-
-def drafter_subset(names: list[str]) -> list[str]:
-    return [n for n in names if any(m in n for m in DRAFTER_NAME_MARKERS)]
 
 
 PARTS = ("main", "draft")

@@ -9,8 +9,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-DRAFT_PREFIX = "model.mtp_layers."  # MiMo's; other families: ModelFamily.hf_mtp_prefixes
-
 
 def rank_file(ckpt_dir: str | Path, rank: int) -> Path:
     return Path(ckpt_dir) / f"train_state_rank{rank}.pt"

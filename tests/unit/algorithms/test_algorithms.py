@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from skyrl_mtp.algorithms.advantages import broadcast_to_tokens, grpo_advantages
-from skyrl_mtp.algorithms.dynamic_sampling import GroupAccumulator, filter_groups
+from skyrl_mtp.algorithms.dynamic_sampling import GroupAccumulator
 from skyrl_mtp.algorithms.overlong import overlong_filter_mask, soft_overlong_penalty
 from skyrl_mtp.algorithms.policy_loss import dapo_policy_loss
 
@@ -90,9 +90,7 @@ def test_policy_loss_validation(kw, word):
         _loss([0.0], [1.0], **kw)
 
 
-def test_filter_groups_and_accumulator():
-    keep = filter_groups(torch.tensor([1.0, 1, 0, 1, 0, 0]), torch.tensor([0, 0, 1, 1, 2, 2]))
-    assert keep.tolist() == [False, False, True, True, False, False]
+def test_group_accumulator_keeps_groups_with_reward_spread_over_rounds():
     acc = GroupAccumulator(target_groups=3, max_rounds=3)
     acc.add_round(["a", "b", "c"], [[1, 1], [0, 1], [0, 0]])
     assert not acc.done and acc.kept == ["b"] and acc.groups_dropped == 2
