@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup test test-avx2 test-megatron-0.19 cpu-isa test-unit run lint lint-imports clean-venv
+.PHONY: gpu-check setup test test-avx2 test-megatron-0.19 cpu-isa test-unit run lint lint-imports clean-venv
 
 setup: $(STAMP)
 
@@ -51,6 +51,12 @@ test-megatron-0.19: setup
 	  $(BIN)/python -m zipfile -e $(MEGATRON_019).whl/megatron_core-0.19.2-*.whl $(MEGATRON_019) )
 	PYTHONPATH=$(CURDIR)/$(MEGATRON_019) $(BIN)/python -m pytest tests/unit/models tests/unit/mtp tests/unit/policy \
 	  tests/integration/policy tests/integration/mtp_tp $(PYTEST_ARGS)
+
+# The one prepared GPU check (scripts/gpu_check.sh): on a machine with a CUDA GPU, Python 3.12 and torch,
+# the GPU-marked tests and the GPU train-step benchmark, output in gpu_check_out/. Fetch its wheels first,
+# where there is network: scripts/gpu_check.sh --download.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
