@@ -3,7 +3,9 @@
 The isolation check of the decoupled draft loss: the same recipe with `trainer.mtp.loss_weight=1.0`
 and `=0.0` (speculative decoding on in both) must agree on every metric that does not depend on the
 MTP head (its loss, the draft acceptance counters) at every step, and on every non-MTP tensor of the
-HF export bit for bit. CLI: scripts/compare_policy_runs.py.
+HF export bit for bit. With `draft_metrics=True` the head's metrics must agree too: two runs of the same
+recipe and seed on two builds of the code (a refactor must change nothing). CLI:
+scripts/compare_policy_runs.py.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ DRAFT_DEPENDENT = ("mtp/", "draft_acceptance_rate", "mean_acceptance_length", "n
                    "num_accepted_tokens")
 
 
-def policy_metrics(run: Path) -> dict[int, dict]:
+def policy_metrics(run: Path, draft_metrics: bool = False) -> dict[int, dict]:
+    """Every step's metrics but the wall-clock ones (and, unless `draft_metrics`, the head's)."""
+    skip = VOLATILE if draft_metrics else VOLATILE + DRAFT_DEPENDENT
     rows = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        rows[row["step"]] = {k: v for k, v in row.items()
-                             if not any(s in k for s in VOLATILE + DRAFT_DEPENDENT)}
+        rows[row["step"]] = {k: v for k, v in row.items() if not any(s in k for s in skip)}
     return rows
 
 
@@ -33,13 +36,13 @@ def latest_common_checkpoint(a: Path, b: Path) -> str | None:
     return max(common, key=lambda s: int(s.split("_")[1])) if common else None
 
 
-def compare_policy_runs(a: Path, b: Path) -> tuple[list[str], dict]:
+def compare_policy_runs(a: Path, b: Path, draft_metrics: bool = False) -> tuple[list[str], dict]:
     from safetensors.torch import load_file
 
     from skyrl_mtp.models.families import is_mtp_hf_name
 
     problems: list[str] = []
-    ma, mb = policy_metrics(a), policy_metrics(b)
+    ma, mb = policy_metrics(a, draft_metrics), policy_metrics(b, draft_metrics)
     if sorted(ma) != sorted(mb):
         problems.append(f"steps differ: {sorted(ma)} vs {sorted(mb)}")
     keys_compared = 0

@@ -95,6 +95,11 @@ def test_compare_policy_runs_ignores_the_head_and_catches_the_trunk(tmp_path):
     head_only = _fake_run(tmp_path / "b", mtp_value=2.0, acceptance=0.9)
     problems, summary = compare_policy_runs(base, head_only)
     assert problems == [] and summary["trunk_tensors_compared"] == 1 and summary["checkpoint"] == "step_2"
+    # two builds of the code compared on the same recipe: the head's metrics must agree too (timings never)
+    problems, _ = compare_policy_runs(base, head_only, draft_metrics=True)
+    assert sorted(p.split(" ")[2].rstrip(":") for p in problems) == ["mtp/loss", "mtp/loss",
+        "rollout/train/draft_acceptance_rate", "rollout/train/draft_acceptance_rate"]
+    assert compare_policy_runs(base, _fake_run(tmp_path / "e"), draft_metrics=True)[0] == []
     trunk = _fake_run(tmp_path / "c", trunk_value=1.0 + 2**-20)
     problems, _ = compare_policy_runs(base, trunk)
     assert problems == ["step_2: model.layers.0.w differs"]
