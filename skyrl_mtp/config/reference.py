@@ -49,6 +49,7 @@ class Section:
     path: str          # dotted path of the dataclass, "" for the root
     intro: str         # the dataclass's docstring
     keys: tuple[Key, ...]
+    allowed: tuple[str, ...] = ()   # rules validation applies to the section's keys together
 
 
 def field_comments(source: str) -> dict[tuple[str, str], str]:
@@ -98,7 +99,7 @@ def sections() -> list[Section]:
                 keys.append(Key(dotted, str(f.type), value, comments.get((type(obj).__name__, f.name), ""),
                                 tuple(rules.get(dotted, ()))))
         if keys:
-            out.append(Section(path, _docstring(type(obj)), tuple(keys)))
+            out.append(Section(path, _docstring(type(obj)), tuple(keys), tuple(rules.get(path, ()))))
         for value, dotted in nested:
             walk(value, dotted)
 
@@ -153,6 +154,7 @@ def render() -> str:
         out += [f"## {title}", ""]
         if sec.intro:
             out += [sec.intro, ""]
+        out += [f"Checked together: {_cell(a)}" for a in sec.allowed] + ([""] if sec.allowed else [])
         out += ["| Key | Type | Default | Allowed | Meaning |", "|---|---|---|---|---|"]
         for k in sec.keys:
             allowed = "<br>".join(_cell(a) for a in k.allowed)

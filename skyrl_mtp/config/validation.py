@@ -59,9 +59,9 @@ def placement_problems(cfg: DictConfig) -> list[str]:
     return c.problems
 
 
-# The rule of every model.tiny key: the tiny model's own rules, kept in one place with the model.
-TINY_RULES = ("the tiny model's own rules (skyrl_mtp.models.tiny.spec_problems: ranges, a head size vLLM's CPU "
-              "attention supports, divisibility, heads each family supports)")
+# The rule of the model.tiny keys together: the tiny model's own rules, kept in one place with the model.
+TINY_RULES = ("the tiny model's own rules (skyrl_mtp.models.tiny.spec_problems: sizes, a head size vLLM's CPU "
+              "attention supports, divisibility, the heads each family supports)")
 
 
 # Recipes for real models mark the paths only the user knows with a string value starting with this.
@@ -213,8 +213,7 @@ def run_checks(c: Checker) -> None:
 
         # the tiny model's own rules, in one place: ranges, head_dim vLLM's CPU attention supports, divisibility
         fields = {k: v for k, v in OmegaConf.to_container(cfg.model.tiny, resolve=True).items() if k != "cache_dir"}
-        for name in fields:
-            c.rule(f"model.tiny.{name}", TINY_RULES)
+        c.rule("model.tiny", TINY_RULES)
         for name, allowed in spec_problems(SimpleNamespace(**{**asdict(TinyModelSpec()), **fields})):
             c.add(f"model.tiny.{name}", OmegaConf.select(cfg, f"model.tiny.{name}"), allowed)
 
