@@ -127,6 +127,7 @@ def engine_config(cfg: DictConfig, model_path: str | Path):
         max_num_seqs=int(g.max_num_seqs), kv_cache_memory_bytes=int(g.kv_cache_memory_mb) * 2**20,
         enforce_eager=bool(g.enforce_eager), dtype=str(g.dtype), seed=int(cfg.trainer.seed),
         cpu_sampling_fix=bool(g.cpu_sampling_fix), draft_invariant_sampling=bool(g.draft_invariant_sampling),
+        model_runner=str(g.model_runner),
         adaptive_speculation=adaptive_speculation(cfg) and rollout_speculative_tokens(cfg) > 0,
         draft_sample_method=str(cfg.trainer.mtp.draft_sample_method),
         explore_budget=float(cfg.trainer.mtp.explore_budget),

@@ -22,6 +22,7 @@ from skyrl_mtp.allowed import (  # noqa: F401 - re-exported: the one allowed-val
     LOGGER_BACKENDS,
     LOSS_REDUCTIONS,
     LR_SCHEDULES,
+    MODEL_RUNNERS,
     POLICY_LOSS_TYPES,
     RESUME_MODES,
     SYNTHETIC_TASKS,
@@ -186,6 +187,9 @@ class GeneratorConfig:
     # CPU: a request's t-th token is sampled with noise keyed to t, whatever was drafted, so seeded
     # rollouts do not depend on the MTP head (acceptance law unchanged). See rollout/draft_invariant_sampling.py.
     draft_invariant_sampling: bool = True
+    # vLLM's model runner: v1 (pinned: what every CPU test runs, and what this project's engine patches target) or
+    # v2 (vLLM 0.32's GPU default; GPU engines only, without the V1-only features: rollout/config.py V1_ONLY_FEATURES)
+    model_runner: str = "v1"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

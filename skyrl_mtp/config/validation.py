@@ -173,6 +173,14 @@ def validate_config(cfg: DictConfig) -> None:
     c.at_least("generator.max_num_seqs", 1)
     c.at_least("generator.kv_cache_memory_mb", 1)
     c.choice("generator.dtype", A.DTYPES)
+    c.choice("generator.model_runner", A.MODEL_RUNNERS)
+    if cfg.generator.model_runner == "v2":
+        if cfg.trainer.placement.gpus_per_engine == 0:
+            c.add("generator.model_runner", "v2", "'v1' on CPU engines (trainer.placement.gpus_per_engine=0): vLLM's V2 "
+                                                  "runner needs Triton on a GPU ('Model Runner V2 requires Triton')")
+        elif cfg.trainer.mtp.num_speculative_tokens == "auto":
+            c.add("generator.model_runner", "v2", "'v1' with trainer.mtp.num_speculative_tokens=auto: the adaptive-k "
+                                                  "hook needs V1's propose_draft_token_ids and drafter")
     for which in ("sampling", "eval_sampling"):
         c.at_least(f"generator.{which}.temperature", 0.0)
         c.check(f"generator.{which}.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
