@@ -74,7 +74,8 @@ def policy_worker_config(cfg: DictConfig):
         head_lr_schedule=str(ho.lr_schedule),
         lr_decay_steps=int(cfg.trainer.total_steps) * updates_per_step(cfg),
         export_hf=bool(cfg.trainer.checkpoint.export_hf), export_draft_head=bool(cfg.trainer.checkpoint.export_draft_head),
-        micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype))
+        micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype),
+        recompute_activations=bool(m.recompute_activations))
 
 
 def warm_start_worker_config(cfg: DictConfig):

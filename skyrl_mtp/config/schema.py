@@ -148,6 +148,9 @@ class MegatronConfig:
     dp: int = 1
     micro_batch_size: int = 4
     dtype: str = "float32"
+    # Megatron's full activation recompute (each layer keeps its input and runs again in backward): activations of
+    # one layer instead of every layer, for about a third more compute (cluster/memory_plan.py counts both)
+    recompute_activations: bool = False
     # MTP layers built into the policy; null = the checkpoint's num_nextn_predict_layers.
     # The draft-loss type and weight are trainer.mtp.loss_type / loss_weight (one key per thing).
     mtp_num_layers: int | None = None

