@@ -53,8 +53,9 @@ def updates_per_step(cfg: DictConfig) -> int:
     return math.ceil(batch / int(cfg.trainer.policy_mini_batch_size or batch))
 
 
-def policy_worker_config(cfg: DictConfig):
-    """The Megatron policy workers' config of the RL run (policy + MTP head, both optimizers)."""
+def policy_worker_config(cfg: DictConfig, model_path: str | Path | None = None):
+    """The Megatron policy workers' config of the RL run (policy + MTP head, both optimizers); `model_path`: the
+    checkpoint they load (its config.json sizes the memory plan; default: model.path or the tiny model)."""
     from skyrl_mtp.policy.config import PolicyWorkerConfig
 
     m, mtp = cfg.megatron, cfg.trainer.mtp
@@ -75,7 +76,17 @@ def policy_worker_config(cfg: DictConfig):
         lr_decay_steps=int(cfg.trainer.total_steps) * updates_per_step(cfg),
         export_hf=bool(cfg.trainer.checkpoint.export_hf), export_draft_head=bool(cfg.trainer.checkpoint.export_draft_head),
         micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype),
-        recompute_activations=bool(m.recompute_activations))
+        recompute_activations=bool(m.recompute_activations), **_gpu_policy_fields(cfg, model_path))
+
+
+def _gpu_policy_fields(cfg: DictConfig, model_path: str | Path | None) -> dict[str, Any]:
+    """What the memory plan decides for the policy on GPUs (nothing on CPU): the layer spec it counted and whether
+    grads and optimizer state leave the GPU while colocated engines are awake."""
+    plan = memory_plan(cfg, model_path)
+    if plan is None or plan.device != "gpu":
+        return {}
+    return {"transformer_engine": plan_transformer_engine(cfg),
+            "offload_while_engines_awake": plan.offload_while_engines_awake}
 
 
 def warm_start_worker_config(cfg: DictConfig):
@@ -133,9 +144,54 @@ def engine_config(cfg: DictConfig, model_path: str | Path):
         draft_sample_method=str(cfg.trainer.mtp.draft_sample_method),
         explore_budget=float(cfg.trainer.mtp.explore_budget),
         policy_trace_dir=cfg.trainer.mtp.policy_trace_dir,
-        # logger.verbose=false: no progress bars of vLLM's checkpoint loading on the console
+        # logger.verbose=false: no progress bars of vLLM's checkpoint loading on the console; on GPUs the memory
+        # plan's gpu_memory_utilization (vLLM refuses to start a colocated engine at its 0.92 default)
         engine_kwargs={**({} if cfg.logger.verbose else {"use_tqdm_on_load": False}),
+                       **_gpu_engine_kwargs(cfg, model_path),
                        **OmegaConf.to_container(g.engine_kwargs, resolve=True)})
+
+
+def _gpu_engine_kwargs(cfg: DictConfig, model_path: str | Path | None) -> dict[str, Any]:
+    plan = memory_plan(cfg, model_path)
+    if plan is None or plan.device != "gpu" or int(cfg.trainer.placement.gpus_per_engine) == 0:
+        return {}
+    return {"gpu_memory_utilization": plan.gpu_memory_utilization}
+
+
+# ---------------------------------------------------------------------------------------------- memory plan
+
+def plan_transformer_engine(cfg: DictConfig) -> bool:
+    """The attention the plan counts and the policy workers must build: Transformer Engine's on GPUs where it is
+    installed (the driver runs the workers' image), else the local spec."""
+    from skyrl_mtp.cluster.memory_plan import on_gpu
+    from skyrl_mtp.models.families.megatron_common import transformer_engine_installed
+
+    return on_gpu(cfg) and transformer_engine_installed()
+
+
+def plan_hf_config(cfg: DictConfig, model_path: str | Path | None = None) -> dict:
+    """The config.json the plan sizes: of `model_path`, else model.path, else the tiny model's (no tokenizer)."""
+    import json
+
+    path = model_path if model_path is not None else cfg.model.path
+    if path is not None:
+        return json.loads((Path(path) / "config.json").read_text())
+    from skyrl_mtp.models.tiny import hf_config
+
+    return hf_config(model_source(cfg).tiny, None)
+
+
+def memory_plan(cfg: DictConfig, model_path: str | Path | None = None):
+    """cluster/memory_plan.py's plan of this run (None where the model's config cannot be read: the model checks
+    name the problem)."""
+    from skyrl_mtp.cluster.memory_plan import memory_plan as plan_of
+    from skyrl_mtp.models.families import ModelBuildError
+
+    try:
+        hf_cfg = plan_hf_config(cfg, model_path)
+        return plan_of(cfg, hf_cfg, transformer_engine=plan_transformer_engine(cfg))
+    except (OSError, ValueError, ModelBuildError):   # no config.json, not JSON, or no family knows it
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- RL loop
@@ -316,7 +372,9 @@ def placement_plan(cfg: DictConfig):
 
 def built_components(cfg: DictConfig, model_path: str = "/model") -> dict[str, Any]:
     """Every component's settings of `cfg` (what the key-coverage test compares)."""
+    plan = memory_plan(cfg)
     return {"policy_worker": policy_worker_config(cfg), "warm_start_worker": warm_start_worker_config(cfg),
             "warm_start": warm_start_settings(cfg), "engine": engine_config(cfg, model_path), "loop": loop_config(cfg),
             "model": model_source(cfg), "data": data_settings(cfg), "environment": environment_settings(cfg),
-            "tracker": tracker_config(cfg), "placement": placement_plan(cfg)}
+            "tracker": tracker_config(cfg), "placement": placement_plan(cfg),
+            "memory_plan": plan if plan is not None and plan.device == "gpu" else None}

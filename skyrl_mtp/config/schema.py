@@ -85,6 +85,9 @@ class PlacementConfig:
     cpus_per_engine: int = 1
     gpus_per_policy_worker: int = 0
     gpus_per_engine: int = 0
+    # memory of each GPU, in GB (1e9 bytes): the memory plan (cluster/memory_plan.py) refuses a GPU run that does not
+    # fit it before anything starts, and sizes the engines' gpu_memory_utilization from it
+    gpu_memory_gb: float = 80.0
 
 
 @dataclass

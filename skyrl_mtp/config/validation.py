@@ -85,8 +85,9 @@ def required_placeholders(cfg: DictConfig) -> list[str]:
     return out
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise ConfigError naming every invalid key of `cfg`, once each."""
+def validate_config(cfg: DictConfig, *, check_memory: bool = True) -> None:
+    """Raise ConfigError naming every invalid key of `cfg`, once each; `check_memory`: a GPU run must also fit its
+    GPUs (cluster/memory_plan.py; `--cfg plan` prints the plan instead)."""
     placeholders = required_placeholders(cfg)
     if placeholders:     # the other checks would only add noise about the same placeholder paths
         raise ConfigError(placeholders)
@@ -111,6 +112,7 @@ def validate_config(cfg: DictConfig) -> None:
         c.at_least(f"trainer.placement.{key}", 1)
     for key in ("gpus_per_policy_worker", "gpus_per_engine"):
         c.at_least(f"trainer.placement.{key}", 0)
+    c.check("trainer.placement.gpu_memory_gb", lambda v: v > 0, "must be > 0 (GB of memory per GPU)")
     from skyrl_mtp.cluster.placement import placement_problems  # lazy: placement imports config.errors
 
     if not c.reported("trainer.placement"):
@@ -276,5 +278,24 @@ def validate_config(cfg: DictConfig) -> None:
             f"every entry must be one of {list(A.LOGGER_BACKENDS)}")
     c.choice("logger.wandb_mode", A.WANDB_MODES)
 
+    if check_memory and not c.problems:   # the whole config is consistent: does a GPU run fit its GPUs?
+        c.problems += memory_problems(cfg)
     if c.problems:
         raise ConfigError(c.problems)
+
+
+def memory_problems(cfg: DictConfig) -> list[str]:
+    """The memory plan's problems of a GPU run (none on CPU), or why it could not be made."""
+    from skyrl_mtp.cluster.memory_plan import memory_plan, on_gpu
+    from skyrl_mtp.config.build import plan_hf_config, plan_transformer_engine
+    from skyrl_mtp.models.families import ModelBuildError
+
+    if not on_gpu(cfg):
+        return []
+    where = "model.path" if cfg.model.path is not None else "model.tiny.family"
+    try:
+        plan = memory_plan(cfg, plan_hf_config(cfg), transformer_engine=plan_transformer_engine(cfg))
+    except (OSError, ValueError, ModelBuildError) as err:
+        return [problem(where, OmegaConf.select(cfg, where),
+                        f"a model the trainer can build: the GPU memory plan reads its config.json ({err})")]
+    return list(plan.problems)

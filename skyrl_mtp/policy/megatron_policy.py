@@ -141,6 +141,22 @@ class MegatronPolicy:
         head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
         return TorchSideOptimizer(self.policy_params, **pkw, **groups), head
 
+    # ------------------------------------------------------------------ colocation
+    def release_device_memory(self) -> list[str]:
+        """Before colocated engines wake: grads and optimizer state to host memory if the memory plan said so
+        (``offload_while_engines_awake``), then the allocator's cache back to the driver (policy/device.py)."""
+        from .device import hand_over_to_engines
+
+        sides = [s for s in (self.policy_side, self.head_side) if s is not None]
+        return hand_over_to_engines(self.device, sides, offload=self.cfg.offload_while_engines_awake)
+
+    def reclaim_device_memory(self) -> list[str]:
+        """After the colocated engines slept: what ``release_device_memory`` moved out comes back."""
+        from .device import take_back_from_engines
+
+        sides = [s for s in (self.policy_side, self.head_side) if s is not None]
+        return take_back_from_engines(self.device, sides, offload=self.cfg.offload_while_engines_awake)
+
     def _on_device(self, batch: dict) -> dict:
         dev = self.device.device
         return {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

@@ -251,6 +251,9 @@ def _run(cfg: DictConfig) -> int:
         model_path = base_model
         if build.warm_start_settings(cfg).enabled:
             model_path = _warm_start(cfg, base_model, data, tokenizer, cache)
+        if plan.device == "gpu":   # checked at validation; printed here with the checkpoint the run serves
+            memory = build.memory_plan(cfg, model_path)
+            log(memory.describe() if memory is not None else f"no memory plan: {model_path}/config.json unreadable")
         placement_group = reserve(plan)
         engines, policy = _start_workers(cfg, model_path, plan, placement_group)
         env = build_environment(cfg, engines, tokenizer, data)
@@ -259,7 +262,7 @@ def _run(cfg: DictConfig) -> int:
         from skyrl_mtp.trainer.trainer import RLTrainer
 
         weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines,
-                               colocate=bool(cfg.trainer.placement.colocate))
+                               colocate=bool(cfg.trainer.placement.colocate), policy=policy)
         trainer = RLTrainer(cfg, engines=engines, policy=policy, env=env, tokenizer=tokenizer,
                             train_examples=train, val_examples=val, run_dir=run_dir, tracker=None, log=log,
                             weight_sync=weight_sync)
@@ -325,14 +328,16 @@ def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group
 
     pl, m = cfg.trainer.placement, cfg.megatron
     ecfg = build.engine_config(cfg, model_path)
+    wcfg = build.policy_worker_config(cfg, model_path)
     engine_options = [actor_options(placement_group, a) for a in plan.engines]
     if plan.colocate:   # Ray hides every GPU from a 0-GPU actor: show each engine its policy ranks' GPUs
         from skyrl_mtp.rollout.engine import colocated_gpu_options
 
-        policy = PolicyGroup.create(build.policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
-                                    m.tp, m.pp, m.cp, m.dp,
+        policy = PolicyGroup.create(wcfg, str(model_path), pl.policy_num_workers, m.tp, m.pp, m.cp, m.dp,
                                     per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
         try:
+            # vLLM starts only where gpu_memory_utilization x the GPU is free: the policy hands its memory over first
+            policy.release_device_memory()
             gpu_ids = policy.gpu_ids()
             engine_options = [{**o, **colocated_gpu_options([gpu_ids[r] for r in a.shares_gpus_with])}
                               for o, a in zip(engine_options, plan.engines)]
@@ -343,8 +348,7 @@ def _start_workers(cfg: DictConfig, model_path: Path, plan: Any, placement_group
     with ThreadPoolExecutor(max_workers=1) as pool:
         fut = pool.submit(EngineClient.create, ecfg, per_engine_options=engine_options)
         try:
-            policy = PolicyGroup.create(build.policy_worker_config(cfg), str(model_path), pl.policy_num_workers,
-                                        m.tp, m.pp, m.cp, m.dp,
+            policy = PolicyGroup.create(wcfg, str(model_path), pl.policy_num_workers, m.tp, m.pp, m.cp, m.dp,
                                         per_rank_options=[actor_options(placement_group, a) for a in plan.policy])
         except BaseException:
             try:

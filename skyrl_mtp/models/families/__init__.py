@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .base import ModelBuildError, ModelFamily, MTPReplayInputs, WeightMappingError, WeightRule
+from .base import ModelBuildError, ModelFamily, ModelShape, MTPReplayInputs, WeightMappingError, WeightRule
 from .mimo import MIMO
 from .qwen3_5 import QWEN3_5
 
@@ -90,7 +90,7 @@ def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
     return family_for_config(read_hf_config(hf_dir))
 
 
-__all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "WeightMappingError", "WeightRule",
+__all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "ModelShape", "MTPReplayInputs", "WeightMappingError", "WeightRule",
            "FAMILY_ENV", "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
            "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
            "serving_family"]

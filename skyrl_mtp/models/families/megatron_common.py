@@ -42,6 +42,14 @@ def mtp_inner_layer_name() -> str:
     return mtp_inner_layer_name_from_fields(f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules))
 
 
+def transformer_engine_installed() -> bool:
+    """Transformer Engine is installed here (no import, no GPU needed): what a driver assumes of its GPU workers,
+    which run the same image (the memory plan counts the attention they will build)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def transformer_engine_available() -> bool:
     """Transformer Engine imports, megatron-core's TE extension with it, and a GPU is present."""
     if not torch.cuda.is_available():

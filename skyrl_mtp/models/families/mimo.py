@@ -15,6 +15,7 @@ import torch
 from .base import (
     ModelBuildError,
     ModelFamily,
+    ModelShape,
     MTPReplayInputs,
     WeightMappingError,
     WeightRule,
@@ -185,6 +186,20 @@ class MiMoFamily(ModelFamily):
         if not args.tie_word_embeddings:
             out["output_layer.weight"] = split_rule("lm_head.weight", 0)
         return out
+
+    def memory_shape(self, args: HFModelArgs, mtp_layers: int) -> ModelShape:
+        h, a, g, d, f, v = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                            args.intermediate_size, args.vocab_size)
+        attention = 2 * h * a * d + 2 * h * g * d + ((a + 2 * g) * d if args.qkv_bias else 0)   # q, o, k, v (+bias)
+        block = attention + 3 * h * f                                                        # + gate, up, down
+        embed_and_head = v * h * (1 if args.tie_word_embeddings else 2)
+        return ModelShape(
+            hidden=h, layers=args.num_layers, attention_layers=args.num_layers, heads=a, kv_heads=g, head_dim=d,
+            intermediate=f, vocab=v, params_sharded=args.num_layers * block + embed_and_head,
+            params_replicated=args.num_layers * 2 * h + h, mtp_layers=mtp_layers,
+            mtp_params_sharded=mtp_layers * (block + 2 * h * h),   # + input_proj [h, 2h]
+            mtp_params_replicated=mtp_layers * 5 * h,              # block norms, token/hidden/final norms
+            largest_tensor=max(v * h, f * h, a * d * h))
 
     def ignorable_hf_names(self, args: HFModelArgs, mtp_layers: int, hf: dict) -> set[str]:
         out = set()

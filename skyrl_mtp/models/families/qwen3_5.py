@@ -26,6 +26,7 @@ import torch
 from .base import (
     ModelBuildError,
     ModelFamily,
+    ModelShape,
     MTPReplayInputs,
     WeightMappingError,
     WeightRule,
@@ -298,6 +299,31 @@ class Qwen35Family(ModelFamily):
         if not args.tie_word_embeddings:
             out["output_layer.weight"] = split_rule("lm_head.weight", 0)
         return out
+
+    def memory_shape(self, args: Qwen35Args, mtp_layers: int) -> ModelShape:
+        h, a, g, d, f, v = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                            args.intermediate_size, args.vocab_size)
+        kd = args.linear_key_head_dim * args.linear_num_key_heads
+        vd = args.linear_value_head_dim * args.linear_num_value_heads
+        nv = args.linear_num_value_heads
+        mlp = 3 * h * f
+        attention = h * a * d * (2 if args.attn_output_gate else 1) + 2 * h * g * d + a * d * h
+        gdn = h * (2 * kd + vd + vd + 2 * nv) + (2 * kd + vd) * args.conv_kernel + 2 * nv + vd * h
+        n_full = sum(t == FULL for t in args.layer_types)
+        n_linear = len(args.layer_types) - n_full
+        embed_and_head = v * h * (1 if args.tie_word_embeddings else 2)
+        return ModelShape(
+            hidden=h, layers=args.num_layers, attention_layers=n_full, heads=a, kv_heads=g, head_dim=d,
+            intermediate=f, vocab=v,
+            params_sharded=n_full * (attention + mlp) + n_linear * (gdn + mlp) + embed_and_head,
+            params_replicated=args.num_layers * 2 * h + n_full * 2 * d + n_linear * args.linear_value_head_dim + h,
+            mtp_layers=mtp_layers, mtp_params_sharded=mtp_layers * (attention + mlp + 2 * h * h),
+            mtp_params_replicated=mtp_layers * (2 * h + 2 * d + 3 * h),
+            largest_tensor=max(v * h, f * h, (2 * kd + vd) * h),
+            attention_gate=args.attn_output_gate, linear_qkv=2 * kd + vd, linear_value=vd, linear_heads=nv,
+            # per GDN layer: the [heads, k_dim, v_dim] recurrent state and the conv's last (kernel - 1) inputs
+            linear_state=n_linear * (nv * args.linear_key_head_dim * args.linear_value_head_dim
+                                     + (2 * kd + vd) * (args.conv_kernel - 1)))
 
     def ignorable_hf_names(self, args: Qwen35Args, mtp_layers: int, hf: dict) -> set[str]:
         out = set()
