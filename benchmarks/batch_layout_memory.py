@@ -3,7 +3,7 @@ every batch used to carry, against the causal path a batch of one sequence per r
 Why: at the GPU recipes' shapes (B=64 rows, S=10240) that mask alone is 6.7 GB of host memory per batch, copied to
 the device as well.
 
-    .venv/bin/python benchmarks/batch_layout_memory.py [--rows 8 16 --seq 2048 4096 --json OUT]
+    .venv/bin/python benchmarks/batch_layout_memory.py [--rows 8 16 --seq 2048 4096 --json OUT] [--quick]
 
 Measured here: the bytes of the prepared batch's tensors and the process's peak RSS growth while preparing it
 (VmHWM, reset before each case), side by side in one run; the recipes' shape is computed (B * S * S bytes), not
@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.rows, a.seq = [2], [512]
     results = [measure(b, s) for b in a.rows for s in a.seq]
     recipe = {"rows": 64, "seq": 10240, "dense_mask_bytes": 64 * 10240 * 10240, "causal_mask_bytes": 0}
     print(f"{'rows':>5} {'seq':>6} {'layout MB before':>17} {'after':>9} {'peak RSS MB before':>19} {'after':>9}")
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['causal_peak_rss_growth_bytes'] / 2**20:>9.1f}")
     print(f"recipes' shape (computed): rows=64 seq=10240 mask before {recipe['dense_mask_bytes'] / 1e9:.2f} GB, after 0")
     if a.json:
-        Path(a.json).write_text(json.dumps({"measured": results, "recipe_shape": recipe}, indent=2))
+        Path(a.json).write_text(json.dumps({"rows": results, "recipe_shape": recipe}, indent=2))
     return 0
 
 
