@@ -6,9 +6,12 @@ Qwen3.5-9B). Why: the number a GPU user sizes a run with, and the cost of traini
     .venv/bin/python benchmarks/train_step_gpu.py --quick     # a tiny model, runs on CPU in seconds
 
 The default size is a ~1B-parameter MiMo-shaped random model (random weights written as an HF
-checkpoint first), bf16 with Megatron's DDP + distributed optimizer on CUDA; on a machine without CUDA
-the same code runs on CPU (fp32, torch AdamW: the CPU path), where MFU is not reported. The draft-loss
-share is 1 - t(train_head=False) / t(train_head=True) on the same batches.
+checkpoint first), bf16 with Megatron's DDP + distributed optimizer on CUDA (Transformer Engine's layer spec
+where it imports); on a machine without CUDA the same code runs on CPU (fp32, torch AdamW: the CPU path), where
+MFU is not reported. The draft-loss share is 1 - t(train_head=False) / t(train_head=True) on the same batches.
+Each row also gives the peak the GPU memory plan predicts for that step (config/memory_plan.py: weights, grads,
+optimizer, a micro-batch's activations, logits and draft loss; not the CUDA context), next to the measured
+torch.cuda.max_memory_allocated, so the plan can be checked on a GPU.
 """
 
 from __future__ import annotations
@@ -26,17 +29,21 @@ QUICK = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
+def _hf_cfg(a) -> dict:
+    return {"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "hidden_size": a.hidden,
+            "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
+            "head_dim": a.hidden // a.heads, "intermediate_size": a.intermediate, "vocab_size": a.vocab,
+            "max_position_embeddings": max(4096, a.seq), "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+            "torch_dtype": "float32"}
+
+
 def _mimo_checkpoint(out: Path, a) -> Path:
     import torch
     from safetensors.torch import save_file
 
     head_dim = a.hidden // a.heads
-    cfg = {"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "hidden_size": a.hidden,
-           "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
-           "head_dim": head_dim, "intermediate_size": a.intermediate, "vocab_size": a.vocab,
-           "max_position_embeddings": max(4096, a.seq), "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-           "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "hidden_act": "silu",
-           "torch_dtype": "float32"}
+    cfg = _hf_cfg(a)
     g = torch.Generator().manual_seed(0)
     q, kv = a.heads * head_dim, a.kv_heads * head_dim
 
@@ -66,6 +73,22 @@ def _mimo_checkpoint(out: Path, a) -> Path:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(sd, str(out / "model.safetensors"))
     return out
+
+
+def predicted_peak_bytes(a, hf_cfg: dict, dtype: str, flash: bool) -> dict[str, int]:
+    """The memory plan's peak of one rank's train step at this shape, with and without the draft loss."""
+    from skyrl_mtp.config import compose_config
+    from skyrl_mtp.config.memory_plan import model_shape, policy_memory
+
+    prompt = a.seq // 4   # random_dapo_batch: a quarter prompt, the rest response (loss positions)
+    cfg = compose_config(["recipe=tiny_dapo", f"megatron.micro_batch_size={a.micro_batch}", f"megatron.dtype={dtype}",
+                          f"megatron.recompute_activations={str(bool(a.recompute)).lower()}",
+                          f"generator.max_model_len={a.seq}", f"data.max_prompt_length={prompt}",
+                          f"generator.sampling.max_tokens={a.seq - prompt}", "trainer.mtp.num_speculative_tokens=1",
+                          "megatron.mtp_loss_chunk_size=auto"])
+    mem = policy_memory(model_shape(cfg, hf_cfg), cfg, flash=flash)
+    static = mem.weights + mem.grads + mem.optimizer
+    return {"mtp_on": static + mem.step, "mtp_off": static + mem.activations + mem.logits}
 
 
 def _peak_mem_mb(cuda: bool) -> float:
@@ -107,6 +130,7 @@ def run(a) -> dict:
                                  recompute_activations=a.recompute, export_hf=False, export_draft_head=False)
         pol = MegatronPolicy(cfg, str(ckpt), 0, 1, "127.0.0.1", free_port())
     n_params = sum(p.numel() for p in pol.policy_params)
+    predicted = predicted_peak_bytes(a, _hf_cfg(a), dtype, bool(pol.transformer_engine))
     batch = random_dapo_batch(torch.Generator().manual_seed(0), a.batch, a.seq, vocab=a.vocab)
     tokens = a.batch * a.seq
     gpu = torch.cuda.get_device_name(0) if dev.is_cuda else None
@@ -128,10 +152,12 @@ def run(a) -> dict:
         # 6 N per token for forward+backward of the trunk (attention's S^2 term left out, as usual)
         mfu = 6 * n_params * tps / peak if peak else None
         rows.append({"setting": setting, "step_s": step_s, "tokens_per_s": tps, "mfu": mfu,
-                     "peak_mem_mb": _peak_mem_mb(dev.is_cuda), "policy_loss": m["policy/loss"]})
+                     "peak_mem_mb": _peak_mem_mb(dev.is_cuda), "predicted_peak_mb": predicted[setting] / 2**20,
+                     "policy_loss": m["policy/loss"]})
     on, off = rows[0]["step_s"], rows[1]["step_s"]
     return {"device": gpu or "cpu", "dtype": dtype, "params": n_params, "tokens_per_step": tokens,
-            "optimizer": type(pol.policy_side).__name__, "draft_loss_share": 1.0 - off / on, "rows": rows,
+            "optimizer": type(pol.policy_side).__name__, "transformer_engine": bool(pol.transformer_engine),
+            "draft_loss_share": 1.0 - off / on, "rows": rows,
             "shape": {k: getattr(a, k) for k in QUICK}}
 
 
@@ -161,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a)
     print(f"device={res['device']} dtype={res['dtype']} params={res['params'] / 1e6:.1f}M "
           f"optimizer={res['optimizer']} tokens/step={res['tokens_per_step']}")
-    print(f"{'setting':<8} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak MB':>9}")
+    print(f"{'setting':<8} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak MB':>9} {'plan MB':>9}")
     for r in res["rows"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"{r['setting']:<8} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.1f} {mfu:>6} {r['peak_mem_mb']:>9.0f}")
+        print(f"{r['setting']:<8} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.1f} {mfu:>6} {r['peak_mem_mb']:>9.0f} "
+              f"{r['predicted_peak_mb']:>9.0f}")
     print(f"draft loss share of the step: {res['draft_loss_share']:.1%}")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))

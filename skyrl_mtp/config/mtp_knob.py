@@ -2,11 +2,14 @@
 
 `trainer.mtp` says, once, whether the model drafts with its MTP head and how the head is trained.
 Nothing is derived into other user keys: the engines' speculative config and the workers' draft-loss
-settings are built from `trainer.mtp` by `skyrl_mtp.trainer.run_plan`. The one low-level key that can
-contradict it, `megatron.mtp_num_layers`, is checked here.
+settings are built from `trainer.mtp` by `skyrl_mtp.trainer.run_plan`, with the derived settings below
+(the k the engines draft, the depths the head trains). The one low-level key that can contradict it,
+`megatron.mtp_num_layers`, is checked here.
 """
 
 from __future__ import annotations
+
+from omegaconf import DictConfig
 
 from skyrl_mtp.allowed import (
     DEFAULT_EXPLORE_BUDGET,
@@ -58,3 +61,29 @@ def mtp_checks(c: Checker) -> None:
             "the calls to the engines' choice of k); leave it null", when=not (on and auto))
     c.check("trainer.mtp.train_depths", lambda v: v is None or v >= 1,
             "must be >= 1, or null (= trainer.mtp.num_speculative_tokens)")
+
+
+def adaptive_speculation(cfg: DictConfig) -> bool:
+    """trainer.mtp.num_speculative_tokens=auto: k chosen per engine step (speculation/policy.py)."""
+    return cfg.trainer.mtp.num_speculative_tokens == "auto"
+
+
+def max_speculative_tokens(cfg: DictConfig) -> int:
+    """The largest k the engines may draft: k, or trainer.mtp.max_speculative_tokens under auto."""
+    mtp = cfg.trainer.mtp
+    return int(mtp.max_speculative_tokens) if adaptive_speculation(cfg) else int(mtp.num_speculative_tokens)
+
+
+def train_depths(cfg: DictConfig) -> int:
+    """Draft depths the head is trained on: trainer.mtp.train_depths, or (null) the largest k drafted (under
+    auto the most depths: each step trains those the engines drafted, head_depths_follow_engines)."""
+    mtp = cfg.trainer.mtp
+    if mtp.train_depths is not None:
+        return int(mtp.train_depths)
+    return max(max_speculative_tokens(cfg), 1)
+
+
+def rollout_speculative_tokens(cfg: DictConfig) -> int:
+    """Tokens the engines draft per step (the maximum under auto) when the head drafts in rollouts, else 0."""
+    mtp = cfg.trainer.mtp
+    return max_speculative_tokens(cfg) if mtp.enabled and mtp.draft_in_rollouts else 0

@@ -22,6 +22,7 @@ from skyrl_mtp.allowed import (  # noqa: F401 - re-exported: the one allowed-val
     LOGGER_BACKENDS,
     LOSS_REDUCTIONS,
     LR_SCHEDULES,
+    MODEL_RUNNERS,
     POLICY_LOSS_TYPES,
     RESUME_MODES,
     SYNTHETIC_TASKS,
@@ -99,6 +100,9 @@ class PlacementConfig:
     gpus_per_policy_worker: int = 0
     # GPUs of each engine: generator.tensor_parallel_size on a GPU cluster, 0 on CPU
     gpus_per_engine: int = 0
+    # memory of each GPU, in GB (1e9 bytes): the memory plan (config/memory_plan.py) refuses a GPU run that does not
+    # fit it before anything starts, and sizes the engines' gpu_memory_utilization from it
+    gpu_memory_gb: float = 80.0
 
 
 @dataclass
@@ -201,6 +205,9 @@ class MegatronConfig:
     micro_batch_size: int = 4
     # parameter dtype of the policy (on GPUs bf16 trains with fp32 main gradients)
     dtype: str = "float32"
+    # Megatron's full activation recompute (each layer keeps its input and runs again in backward): activations of
+    # one layer instead of every layer, for about a third more compute (config/memory_plan.py counts both)
+    recompute_activations: bool = False
     # MTP layers built into the policy; null = the checkpoint's num_nextn_predict_layers.
     # The draft-loss type and weight are trainer.mtp.loss_type / loss_weight (one key per thing).
     mtp_num_layers: int | None = None
@@ -262,6 +269,9 @@ class GeneratorConfig:
     # CPU: a request's t-th token is sampled with noise keyed to t, whatever was drafted, so seeded
     # rollouts do not depend on the MTP head (acceptance law unchanged). See vllm_patches/draft_invariant_sampling.py.
     draft_invariant_sampling: bool = True
+    # vLLM's model runner: v1 (pinned: what every CPU test runs, and what this project's engine patches target) or
+    # v2 (vLLM 0.32's GPU default; GPU engines only, without the V1-only features: rollout/config.py V1_ONLY_FEATURES)
+    model_runner: str = "v1"
     # extra vLLM engine arguments, merged into those the project sets (which they may not override)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

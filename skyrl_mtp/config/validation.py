@@ -88,13 +88,16 @@ def required_placeholders(cfg: DictConfig) -> list[str]:
     return out
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise ConfigError naming every invalid key of `cfg`, once each."""
+def validate_config(cfg: DictConfig, *, check_memory: bool = True) -> None:
+    """Raise ConfigError naming every invalid key of `cfg`, once each; `check_memory`: a GPU run must also fit its
+    GPUs (config/memory_plan.py; `--cfg plan` prints the plan instead)."""
     placeholders = required_placeholders(cfg)
     if placeholders:     # the other checks would only add noise about the same placeholder paths
         raise ConfigError(placeholders)
     c = Checker(cfg)
     run_checks(c)
+    if check_memory and not c.problems:   # the whole config is consistent: does a GPU run fit its GPUs?
+        c.problems += memory_problems(cfg)
     if c.problems:
         raise ConfigError(c.problems)
 
@@ -120,6 +123,8 @@ def run_checks(c: Checker) -> None:
         c.at_least(f"trainer.placement.{key}", 1)
     for key in ("gpus_per_policy_worker", "gpus_per_engine"):
         c.at_least(f"trainer.placement.{key}", 0)
+    c.check("trainer.placement.gpu_memory_gb", lambda v: v > 0, "must be > 0 (GB of memory per GPU)")
+
     if not c.reported("trainer.placement"):
         placement_checks(c)   # GPU/CPU consistency, GPUs per engine = TP, colocation shape
     c.choice("trainer.mtp.loss_type", A.DRAFT_LOSS_TYPES)
@@ -177,6 +182,14 @@ def run_checks(c: Checker) -> None:
     c.at_least("generator.max_num_seqs", 1)
     c.at_least("generator.kv_cache_memory_mb", 1)
     c.choice("generator.dtype", A.DTYPES)
+    c.choice("generator.model_runner", A.MODEL_RUNNERS)
+    if cfg.generator.model_runner == "v2":
+        if cfg.trainer.placement.gpus_per_engine == 0:
+            c.add("generator.model_runner", "v2", "'v1' on CPU engines (trainer.placement.gpus_per_engine=0): vLLM's V2 "
+                                                  "runner needs Triton on a GPU ('Model Runner V2 requires Triton')")
+        elif cfg.trainer.mtp.num_speculative_tokens == "auto":
+            c.add("generator.model_runner", "v2", "'v1' with trainer.mtp.num_speculative_tokens=auto: the adaptive-k "
+                                                  "hook needs V1's propose_draft_token_ids and drafter")
     for which in ("sampling", "eval_sampling"):
         c.at_least(f"generator.{which}.temperature", 0.0)
         c.check(f"generator.{which}.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
@@ -260,3 +273,19 @@ def run_checks(c: Checker) -> None:
     c.check("logger.backends", lambda v: all(b in A.LOGGER_BACKENDS for b in v),
             f"every entry must be one of {list(A.LOGGER_BACKENDS)}")
     c.choice("logger.wandb_mode", A.WANDB_MODES)
+
+
+def memory_problems(cfg: DictConfig) -> list[str]:
+    """The memory plan's problems of a GPU run (none on CPU), or why it could not be made."""
+    from skyrl_mtp.config.memory_plan import memory_plan, on_gpu, run_hf_config, transformer_engine_for
+    from skyrl_mtp.models.families import ModelBuildError
+
+    if not on_gpu(cfg):
+        return []
+    where = "model.path" if cfg.model.path is not None else "model.tiny.family"
+    try:
+        plan = memory_plan(cfg, run_hf_config(cfg), transformer_engine=transformer_engine_for(cfg))
+    except (OSError, ValueError, ModelBuildError) as err:
+        return [problem(where, OmegaConf.select(cfg, where),
+                        f"a model the trainer can build: the GPU memory plan reads its config.json ({err})")]
+    return list(plan.problems)

@@ -333,6 +333,14 @@ def build_qwen3_5_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     return {k: t.contiguous() for k, t in sd.items()}
 
 
+def _token_ids(tokenizer) -> dict:
+    """The special token ids config.json carries; none without a tokenizer (the architecture alone: the memory plan)."""
+    if tokenizer is None:
+        return {}
+    return {"bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
 def qwen3_5_hf_config(spec: TinyModelSpec, tokenizer) -> dict:
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
@@ -360,9 +368,7 @@ def qwen3_5_hf_config(spec: TinyModelSpec, tokenizer) -> dict:
         "tie_word_embeddings": spec.tie_word_embeddings,
         "mtp_num_hidden_layers": spec.mtp_layers,
         "torch_dtype": "float32",
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
+        **_token_ids(tokenizer),
         "skyrl_mtp_tiny_spec": asdict(spec),
     }
 
@@ -391,9 +397,7 @@ def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
         "tie_word_embeddings": spec.tie_word_embeddings,
         "num_nextn_predict_layers": spec.mtp_layers,
         "torch_dtype": "float32",
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
+        **_token_ids(tokenizer),
         "skyrl_mtp_tiny_spec": asdict(spec),
     }
 

@@ -63,7 +63,13 @@ class PolicyWorkerConfig:
     export_hf: bool = True  # checkpoints also hold an HF export of the policy (hf/)
     export_draft_head: bool = True  # ... and the MTP head alone (draft_head/)
     micro_batch_size: int = 4
-    recompute_activations: bool = False  # Megatron full activation recompute (one layer per checkpoint)
+    recompute_activations: bool = False  # Megatron full activation recompute (run key megatron.recompute_activations)
+    # the layer spec: None = Transformer Engine's where it imports on a GPU, else local; True = required (the run's
+    # memory plan counted TE's fused attention); False = local (materialised attention scores)
+    transformer_engine: bool | None = None
+    # colocated GPU runs: grads and optimizer state go to host memory while the engines are awake (the memory plan
+    # decides: policy/megatron/device.py hand_over_to_engines)
+    offload_while_engines_awake: bool = False
     seed: int = 0
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
@@ -115,8 +121,11 @@ class PolicyWorkerConfig:
                            f"must be >= 1 with {name}={getattr(self, name)!r} (the run's planned optimizer steps)")
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"allowed: {DTYPES}")
-        if not isinstance(self.recompute_activations, bool):
-            raise _bad("recompute_activations", self.recompute_activations, "expected True or False")
+        for name in ("recompute_activations", "offload_while_engines_awake"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "expected True or False")
+        if self.transformer_engine not in (None, True, False):
+            raise _bad("transformer_engine", self.transformer_engine, "expected None, True or False")
         if not self.mtp_detach_trunk:
             raise _bad("mtp_detach_trunk", self.mtp_detach_trunk,
                        "only True is supported: the draft loss must not reach the trunk")

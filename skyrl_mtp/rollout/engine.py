@@ -21,31 +21,52 @@ from skyrl_mtp.engine_process import EngineProcessSettings
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
+from skyrl_mtp.rollout.update_session import WeightUpdateSession
 from skyrl_mtp.speculation.policy import EXPLORE_BUDGET_ENV
 from skyrl_mtp.speculation.trace import POLICY_TRACE_ENV
 from skyrl_mtp.vllm_patches import kv_replay_cache
-from skyrl_mtp.weight_sync.schema import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
+from skyrl_mtp.weight_sync.schema import WeightSchema, read_weight_schema
 from skyrl_mtp.weight_sync.transport import WORKER_CHECKED_BACKENDS
 
 logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "skyrl_mtp.rollout.worker_extension.WeightSyncExtension"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
 def engine_process_settings(cfg: EngineConfig, model_family: str | None = None) -> EngineProcessSettings:
-    """What the engine's vLLM processes read (engine_process.py), from the engine's config."""
-    return EngineProcessSettings(cpu_sampling_fix=cfg.cpu_sampling_fix,
-                                 draft_invariant_sampling=cfg.draft_invariant_sampling,
+    """What the engine's vLLM processes read (engine_process.py), from the engine's config: on vLLM's V2
+    runner the V1-only sampling patches are off (EngineConfig.v1_features_off says what that loses)."""
+    v1 = cfg.model_runner == "v1"
+    return EngineProcessSettings(cpu_sampling_fix=cfg.cpu_sampling_fix and v1,
+                                 draft_invariant_sampling=cfg.draft_invariant_sampling and v1,
                                  kv_replay_cache=cfg.num_speculative_tokens > 0, model_family=model_family)
 
 
 def engine_environment(cfg: EngineConfig) -> dict[str, str]:
-    """Environment variables the engine process sets before building vLLM (inherited by its workers)."""
-    env: dict[str, str] = {}
+    """vLLM's own environment variables the engine process sets before building vLLM (inherited by its workers).
+
+    - VLLM_USE_V2_MODEL_RUNNER: the runner is the config's choice, not vLLM's (0.32 picks V2 on any GPU with
+      Triton, config/vllm.py `use_v2_model_runner`).
+    - VLLM_ALLOW_INSECURE_SERIALIZATION=1 on the `ipc` transport: its updates carry torch's CUDA IPC handles
+      (`reduce_tensor` args: classes, dtypes) through AsyncLLM's collective_rpc, whose msgpack encoder
+      (v1/serial_utils.py `MsgpackEncoder.enc_hook`) raises on them without it, and the engine core's decoder
+      refuses the pickled form the same way.
+    """
+    env = {V2_RUNNER_ENV: "1" if cfg.model_runner == "v2" else "0"}
+    if cfg.weight_transfer_backend == "ipc":
+        env[INSECURE_SERIALIZATION_ENV] = "1"
     if cfg.adaptive_speculation:   # read by the engine core's scheduler (speculation/scheduler_hook.py)
         env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
         if cfg.policy_trace_dir is not None:
             env[POLICY_TRACE_ENV] = cfg.policy_trace_dir
     return env
+
+
+def v2_warning(lost: dict[str, str]) -> str:
+    """The warning an engine on vLLM's V2 runner gives: the V1-only features it runs without, and what each did."""
+    return ("vLLM's V2 model runner runs without skyrl_mtp's V1-only features: "
+            + "; ".join(f"{name} (lost: {what})" for name, what in lost.items()))
 
 
 def colocated_gpu_options(gpu_ids: list[str]) -> dict[str, Any]:
@@ -194,6 +215,8 @@ class InferenceEngine:
 
     def __init__(self, cfg: EngineConfig, engine_index: int = 0):
         os.environ.update(engine_environment(cfg))
+        if lost := cfg.v1_features_off():
+            logger.warning("engine %d: model_runner=v2: %s", engine_index, v2_warning(lost))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -219,8 +242,10 @@ class InferenceEngine:
         os.environ.update(engine_process_settings(cfg, family.name if family is not None else None).to_env())
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._request_ids = itertools.count()
-        self._session: dict[str, Any] | None = None
         self._lifecycle: list[tuple] = []
+        self._updates = WeightUpdateSession(self._engine, engine_index, self.schema, cfg.dtype,
+                                            check=cfg.weight_transfer_backend not in WORKER_CHECKED_BACKENDS,
+                                            log=self._log)
         self._in_flight = 0
         self._closed = False
         # a generate call with stop strings, or one that raised, ended since the last scrape: its last steps may
@@ -237,7 +262,9 @@ class InferenceEngine:
         if has_drafter != (self.cfg.num_speculative_tokens > 0):
             raise RuntimeError(f"engine {self.engine_index}: num_speculative_tokens="
                                f"{self.cfg.num_speculative_tokens} but drafter present={has_drafter}")
-        warmup = (await self._engine.collective_rpc("skyrl_warm_up_compiled_ops"))[0]
+        warmup = {"warmed": [], "missing": [], "skipped": "model_runner=v2 (V1's sampler op)"}
+        if self.cfg.model_runner == "v1":
+            warmup = (await self._engine.collective_rpc("skyrl_warm_up_compiled_ops"))[0]
         if warmup["missing"]:
             logger.warning("engine %d: vLLM no longer has %s; its first call will compile in a rollout",
                            self.engine_index, warmup["missing"])
@@ -254,6 +281,7 @@ class InferenceEngine:
         return {"engine_index": self.engine_index, "schema": self.schema, "pid": os.getpid(),
                 "adaptive_speculation": adaptive, "compile_warmup": warmup, "kv_replay_cache": replay_cache,
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
+                "model_runner": checks[0]["model_runner"], "runner_class": checks[0]["runner_class"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
                 "vllm_kernel_build": checks[0]["vllm_kernel_build"], "thread_affinity": checks[0]["thread_affinity"],
@@ -266,6 +294,7 @@ class InferenceEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        self._updates.require_whole()
         self._in_flight += 1
         done = False
         try:
@@ -378,51 +407,19 @@ class InferenceEngine:
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
 
     async def start_weight_update(self, draft: bool = False) -> None:
-        """Opens a session on the main model (`draft=False`) or the MTP drafter. vLLM's GPU transports
-        start their layerwise reload at start; the session reaches vLLM with the first update, after it
-        has been checked, so a refused update leaves the model untouched."""
+        """Opens a session on the main model (`draft=False`) or the MTP drafter (rollout/update_session.py)."""
         self._require_idle("update weights")
-        if self._session is not None:
-            raise RuntimeError(f"engine {self.engine_index}: a weight update ({self._session['part']}) is already "
-                               "open; finish it first")
-        self._session = {"part": "draft" if draft else "main", "started": False}
+        self._updates.start(draft)
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        session = self._session
-        if session is None:
-            raise RuntimeError(f"engine {self.engine_index}: update_weights without start_weight_update")
-        if self.cfg.weight_transfer_backend not in WORKER_CHECKED_BACKENDS:
-            try:
-                for info in update_info if isinstance(update_info, list) else [update_info]:
-                    check_update_info(info, self.schema, session["part"], self.cfg.dtype)
-            except WeightSyncError:
-                if not session["started"]:
-                    self._session = None
-                raise
-        try:
-            if not session["started"]:
-                if session["part"] == "draft":
-                    self._log("start_draft_weight_update")
-                    await self._engine.start_draft_weight_update()
-                else:
-                    self._log("start_weight_update")
-                    await self._engine.start_weight_update()
-                session["started"] = True
-            self._log("update_weights", session["part"])
-            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        except BaseException:
-            self._session = None   # vLLM closed its session (refused or failed): nothing to finish
-            raise
+        await self._updates.update(update_info)
 
     async def finish_weight_update(self) -> None:
-        session, self._session = self._session, None
-        if session is None:
-            raise RuntimeError(f"engine {self.engine_index}: finish_weight_update without start_weight_update")
-        if session["started"]:
-            self._log("finish_weight_update", session["part"])
-            await self._engine.finish_weight_update()
+        await self._updates.finish()
+
+    async def abort_weight_update(self) -> dict[str, Any] | None:
+        """Close an open session without finishing it (the sync failed elsewhere): see update_session.py."""
+        return await self._updates.abort("the trainer stopped the sync (it failed on another engine or rank)")
 
     async def reset_prefix_cache(self) -> None:
         """Required after every weight update: cached KV blocks were computed with the old weights."""

@@ -251,6 +251,8 @@ def _run(plan: RunPlan) -> int:
         model_path = base_model
         if plan.warm_start.enabled:
             model_path = _warm_start(plan, base_model, data, tokenizer, cache)
+        if plan.memory is not None:   # checked at validation; printed here with the checkpoint the run serves
+            log(plan.memory.describe())
         placement_group = reserve(placement)
         engines, policy = _start_workers(plan, model_path, placement_group)
         env = build_environment(plan, engines, tokenizer, data)
@@ -258,7 +260,8 @@ def _run(plan: RunPlan) -> int:
         from skyrl_mtp.weight_sync.policy_link import PolicyEngineLink
         from skyrl_mtp.weight_sync.step_sync import StepSync
 
-        weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines, colocate=placement.colocate)
+        weight_sync = StepSync(PolicyEngineLink(policy.workers, engines), engines, colocate=placement.colocate,
+                               policy=policy)
         trainer = RLTrainer(loop, engines=engines, policy=policy, env=env, tokenizer=tokenizer,
                             train_examples=train, val_examples=val, run_dir=run_dir, tracker=None, log=log,
                             weight_sync=weight_sync)
@@ -334,6 +337,8 @@ def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any):
 
         policy = start_policy()
         try:
+            # vLLM starts only where gpu_memory_utilization x the GPU is free: the policy hands its memory over first
+            policy.release_device_memory()
             gpu_ids = policy.gpu_ids()
             engine_options = [{**o, **colocated_gpu_options([gpu_ids[r] for r in a.shares_gpus_with])}
                               for o, a in zip(engine_options, placement.engines)]

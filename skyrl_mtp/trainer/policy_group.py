@@ -87,6 +87,13 @@ class PolicyGroup:
     def train_step(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, float]:
         return self._sharded("train_step", batch, **kwargs)[0]
 
+    def release_device_memory(self) -> list[list[str]]:
+        """Every rank hands its GPU memory over to colocated engines (MegatronPolicy.release_device_memory)."""
+        return self.call("release_device_memory")
+
+    def reclaim_device_memory(self) -> list[list[str]]:
+        return self.call("reclaim_device_memory")
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.call("export_weights")[0]
 

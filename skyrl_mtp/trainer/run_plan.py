@@ -18,33 +18,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-# ---------------------------------------------------------------------------------------------- MTP
-
-def adaptive_speculation(cfg: DictConfig) -> bool:
-    """trainer.mtp.num_speculative_tokens=auto: k chosen per engine step (speculation/policy.py)."""
-    return cfg.trainer.mtp.num_speculative_tokens == "auto"
-
-
-def max_speculative_tokens(cfg: DictConfig) -> int:
-    """The largest k the engines may draft: k, or trainer.mtp.max_speculative_tokens under auto."""
-    mtp = cfg.trainer.mtp
-    return int(mtp.max_speculative_tokens) if adaptive_speculation(cfg) else int(mtp.num_speculative_tokens)
-
-
-def train_depths(cfg: DictConfig) -> int:
-    """Draft depths the head is trained on: trainer.mtp.train_depths, or (null) the largest k drafted (under
-    auto the most depths: each step trains those the engines drafted, head_depths_follow_engines)."""
-    mtp = cfg.trainer.mtp
-    if mtp.train_depths is not None:
-        return int(mtp.train_depths)
-    return max(max_speculative_tokens(cfg), 1)
-
-
-def rollout_speculative_tokens(cfg: DictConfig) -> int:
-    """Tokens the engines draft per step (the maximum under auto) when the head drafts in rollouts, else 0."""
-    mtp = cfg.trainer.mtp
-    return max_speculative_tokens(cfg) if mtp.enabled and mtp.draft_in_rollouts else 0
-
+from skyrl_mtp.config.memory_plan import MemoryPlan, run_memory_plan, transformer_engine_for
+from skyrl_mtp.config.mtp_knob import (  # noqa: F401 - the derived MTP settings, part of the plan's vocabulary
+    adaptive_speculation,
+    max_speculative_tokens,
+    rollout_speculative_tokens,
+    train_depths,
+)
 
 # ---------------------------------------------------------------------------------------------- policy
 
@@ -54,8 +34,9 @@ def updates_per_step(cfg: DictConfig) -> int:
     return math.ceil(batch / int(cfg.trainer.policy_mini_batch_size or batch))
 
 
-def policy_worker_config(cfg: DictConfig):
-    """The Megatron policy workers' config of the RL run (policy + MTP head, both optimizers)."""
+def policy_worker_config(cfg: DictConfig, memory: MemoryPlan | None = None):
+    """The Megatron policy workers' config of the RL run (policy + MTP head, both optimizers); `model_path`: the
+    checkpoint they load (its config.json sizes the memory plan; default: model.path or the tiny model)."""
     from skyrl_mtp.policy.config import PolicyWorkerConfig
 
     m, mtp = cfg.megatron, cfg.trainer.mtp
@@ -75,7 +56,18 @@ def policy_worker_config(cfg: DictConfig):
         head_lr_schedule=str(ho.lr_schedule),
         lr_decay_steps=int(cfg.trainer.total_steps) * updates_per_step(cfg),
         export_hf=bool(cfg.trainer.checkpoint.export_hf), export_draft_head=bool(cfg.trainer.checkpoint.export_draft_head),
-        micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype))
+        micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype),
+        recompute_activations=bool(m.recompute_activations), **_gpu_policy_fields(cfg, memory))
+
+
+def _gpu_policy_fields(cfg: DictConfig, memory: MemoryPlan | None) -> dict[str, Any]:
+    """What the memory plan decides for the policy on GPUs (nothing on CPU): the layer spec it counted and whether
+    grads and optimizer state leave the GPU while colocated engines are awake."""
+    plan = run_memory_plan(cfg) if memory is None else memory
+    if plan is None or plan.device != "gpu":
+        return {}
+    return {"transformer_engine": transformer_engine_for(cfg),
+            "offload_while_engines_awake": plan.offload_while_engines_awake}
 
 
 def warm_start_worker_config(cfg: DictConfig):
@@ -116,7 +108,7 @@ def weight_transfer_backend(cfg: DictConfig) -> str:
     return choose_backend(on_gpu, bool(on_gpu and pl.colocate))
 
 
-def engine_config(cfg: DictConfig, model_path: str | Path):
+def engine_config(cfg: DictConfig, model_path: str | Path, memory: MemoryPlan | None = None):
     """The vLLM engines' config; speculative decoding is derived from trainer.mtp only."""
     from skyrl_mtp.rollout.config import EngineConfig
 
@@ -128,13 +120,23 @@ def engine_config(cfg: DictConfig, model_path: str | Path):
         max_num_seqs=int(g.max_num_seqs), kv_cache_memory_bytes=int(g.kv_cache_memory_mb) * 2**20,
         enforce_eager=bool(g.enforce_eager), dtype=str(g.dtype), seed=int(cfg.trainer.seed),
         cpu_sampling_fix=bool(g.cpu_sampling_fix), draft_invariant_sampling=bool(g.draft_invariant_sampling),
+        model_runner=str(g.model_runner),
         adaptive_speculation=adaptive_speculation(cfg) and rollout_speculative_tokens(cfg) > 0,
         draft_sample_method=str(cfg.trainer.mtp.draft_sample_method),
         explore_budget=float(cfg.trainer.mtp.explore_budget),
         policy_trace_dir=cfg.trainer.mtp.policy_trace_dir,
-        # logger.verbose=false: no progress bars of vLLM's checkpoint loading on the console
+        # logger.verbose=false: no progress bars of vLLM's checkpoint loading on the console; on GPUs the memory
+        # plan's gpu_memory_utilization (vLLM refuses to start a colocated engine at its 0.92 default)
         engine_kwargs={**({} if cfg.logger.verbose else {"use_tqdm_on_load": False}),
+                       **_gpu_engine_kwargs(cfg, memory),
                        **OmegaConf.to_container(g.engine_kwargs, resolve=True)})
+
+
+def _gpu_engine_kwargs(cfg: DictConfig, memory: MemoryPlan | None) -> dict[str, Any]:
+    plan = run_memory_plan(cfg) if memory is None else memory
+    if plan is None or plan.device != "gpu" or int(cfg.trainer.placement.gpus_per_engine) == 0:
+        return {}
+    return {"gpu_memory_utilization": plan.gpu_memory_utilization}
 
 
 # ---------------------------------------------------------------------------------------------- RL loop
@@ -341,6 +343,7 @@ class RunPlan:
     environment: EnvironmentSettings
     tracker: Any                # skyrl_mtp.tracking.tracker.TrackerConfig
     placement: Any              # skyrl_mtp.cluster.placement.PlacementPlan
+    memory: MemoryPlan | None   # the GPU memory plan (config/memory_plan.py); None on CPU
     config: Any                 # the resolved config as plain containers: written to the run dir and the tracker
 
     def engine_for(self, model_path: str | Path):
@@ -357,7 +360,10 @@ def build_run_plan(cfg: DictConfig) -> RunPlan:
 
 def built_components(cfg: DictConfig, model_path: str = "/model") -> dict[str, Any]:
     """Every component's settings of `cfg`, by RunPlan field (what the key-coverage test compares)."""
-    return {"policy_worker": policy_worker_config(cfg), "warm_start_worker": warm_start_worker_config(cfg),
-            "warm_start": warm_start_settings(cfg), "engine": engine_config(cfg, model_path), "loop": loop_config(cfg),
-            "model": model_source(cfg), "data": data_settings(cfg), "environment": environment_settings(cfg),
-            "tracker": tracker_config(cfg), "placement": placement_plan(cfg)}
+    plan = run_memory_plan(cfg)
+    memory = plan if plan is not None and plan.device == "gpu" else None
+    return {"policy_worker": policy_worker_config(cfg, plan), "warm_start_worker": warm_start_worker_config(cfg),
+            "warm_start": warm_start_settings(cfg), "engine": engine_config(cfg, model_path, plan),
+            "loop": loop_config(cfg), "model": model_source(cfg), "data": data_settings(cfg),
+            "environment": environment_settings(cfg), "tracker": tracker_config(cfg), "placement": placement_plan(cfg),
+            "memory": memory}

@@ -43,3 +43,7 @@ class EngineActorsClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("finish_weight_update")
+
+    def abort_weight_update(self) -> None:
+        """Not in vLLM's protocol: every engine closes its session without finishing it (update_session.py)."""
+        self._all("abort_weight_update")

@@ -12,7 +12,7 @@ from typing import Any
 
 from skyrl_mtp.net import claim_held
 from skyrl_mtp.weight_sync.registration import CPU_BACKEND
-from skyrl_mtp.weight_sync.transport import needs_rendezvous, trainer_init_info
+from skyrl_mtp.weight_sync.transport import ipc_buffer_bytes, needs_rendezvous, trainer_init_info
 
 
 def _agree_over_ranks(problem: str | None) -> str | None:
@@ -64,7 +64,8 @@ class PolicySenderMixin:
         sock = claim_held(getattr(self, "_transfer_listen_socket", None), master_port, self.rank == 0)
         self._transfer_listen_socket = None
         info = trainer_init_info(backend, rank=self.rank, master_address=master_address, master_port=master_port,
-                                 world_size=world_size, listen_socket=sock)
+                                 world_size=world_size, listen_socket=sock,
+                                 ipc_buffer_size=ipc_buffer_bytes(schema, engine_dtype) if backend == "ipc" else None)
         sources = {p: PolicyWeightSource(self.iter_hf_weights, p, device) for p in parts}
         self._weight_sender = WeightSender(info, EngineActorsClient(engine_actors, workers_per_engine), sources,
                                            parts, schema, engine_dtype, agree=_agree_over_ranks)

@@ -1,8 +1,10 @@
 """One RL step's weight sync and, for colocated engines, their sleep and wake, in vLLM's order.
 
 Colocated (`trainer.placement.colocate=true`): after the rollouts the engines sleep (weights and KV cache
-released) while the policy trains; then they wake their weights, receive the sync, wake their KV cache
-(vLLM's documented order for RL), and their prefix caches are reset. Not colocated: sync, then reset.
+released) and the policy takes back what it handed over; it trains; then it hands its GPU memory over (its
+allocator's cache emptied, grads and optimizer state to host memory where the memory plan says so), the engines
+wake their weights, receive the sync, wake their KV cache (vLLM's documented order for RL), and their prefix
+caches are reset. Not colocated: sync, then reset.
 vLLM's CPU worker makes sleep/wake no-ops; the calls are made all the same, so CPU runs the GPU sequence.
 
 A step whose update left the MTP head as it was (adaptive speculation's idle cadence) pushes the main
@@ -20,10 +22,11 @@ COLOCATED_SLEEP_LEVEL = 2
 
 
 class StepSync:
-    """`link.push() -> stats` pushes one sync (PolicyEngineLink); `engines` is the EngineClient."""
+    """`link.push() -> stats` pushes one sync (PolicyEngineLink); `engines` is the EngineClient; `policy` (the
+    PolicyGroup, colocated runs) hands its GPU memory over before the engines wake and takes it back after."""
 
-    def __init__(self, link: Any, engines: Any, colocate: bool):
-        self.link, self.engines, self.colocate = link, engines, bool(colocate)
+    def __init__(self, link: Any, engines: Any, colocate: bool, policy: Any = None):
+        self.link, self.engines, self.colocate, self.policy = link, engines, bool(colocate), policy
         self.asleep = False
 
     def release_engines(self) -> None:
@@ -31,6 +34,8 @@ class StepSync:
         if self.colocate and not self.asleep:
             self.engines.sleep(COLOCATED_SLEEP_LEVEL)
             self.asleep = True
+            if self.policy is not None:
+                self.policy.reclaim_device_memory()
 
     def sync(self, head_changed: bool = True) -> dict[str, float]:
         """Push the policy's weights (main model and drafter) to every engine; returns seconds and bytes per part.
@@ -38,6 +43,8 @@ class StepSync:
         t0 = time.perf_counter()
         main_only = not head_changed and not self.asleep and "draft" in self.engines.sync_parts
         if self.asleep:
+            if self.policy is not None:
+                self.policy.release_device_memory()
             self.engines.wake_up(["weights"])
         stats = dict(self.link.push(["main"]) if main_only else self.link.push())
         if self.asleep:

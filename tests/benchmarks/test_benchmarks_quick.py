@@ -43,8 +43,11 @@ EXPECTED = {
                                  *(f"{part}_{key}" for part in ("vllm", "total", "step", "prompt_token")
                                    for key in ("us", "us_per_repeat", "ratio_over_no_spec", "ratio_range"))}),
     "sharded_loading_memory.py": ({"rows"}, {"checkpoint", "tp", "mode", "peak_rss_mb", "delta_rss_mb", "load_s"}),
-    "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer"},
-                          {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb"}),
+    "train_step_gpu.py": ({"rows", "device", "params", "draft_loss_share", "optimizer", "transformer_engine"},
+                          {"setting", "step_s", "tokens_per_s", "mfu", "peak_mem_mb", "predicted_peak_mb"}),
+    "batch_layout_memory.py": ({"rows", "recipe_shape"},
+                               {"rows", "seq", "dense_mask_layout_bytes", "causal_layout_bytes", "dense_mask_mask_bytes",
+                                "causal_mask_bytes", "dense_mask_peak_rss_growth_bytes", "causal_peak_rss_growth_bytes"}),
     "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec",
                       "step_ratio_ci95", "generate_ratio_ci95", "per_step", "step_ratio_speed_normalised",
                       "generate_ratio_speed_normalised", "step_ratio_speed_normalised_ci95",

@@ -56,3 +56,24 @@ def test_distributed_optimizer_step_and_draft_loss_isolation(tiny_ckpt, tmp_path
 def test_checkpoint_round_trip_on_cuda(tiny_ckpt, tmp_path):
     res = _run(tmp_path, "ck", "checkpoint", "cuda", tiny_ckpt, dtype="bfloat16")
     assert res["restored_equal"] and res["resumed_step_equal"]
+
+
+def test_the_memory_plan_predicts_the_measured_train_step_peak(tmp_path):
+    """benchmarks/train_step_gpu.py's rows carry the plan's prediction next to torch's measured peak (one rank, bf16,
+    Megatron's distributed optimizer): they agree within the plan's stated precision (an estimate: within -30% /
+    +50%, the plan erring high)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "train_step_gpu", Path(__file__).resolve().parents[2] / "benchmarks" / "train_step_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "res.json"
+    assert bench.main(["--hidden", "1024", "--layers", "8", "--heads", "8", "--kv-heads", "2", "--intermediate", "2816",
+                       "--vocab", "32000", "--batch", "4", "--seq", "2048", "--micro-batch", "2", "--steps", "2",
+                       "--warmup", "1", "--json", str(out)]) == 0
+    for row in json.loads(out.read_text())["rows"]:
+        ratio = row["predicted_peak_mb"] / row["peak_mem_mb"]
+        assert 0.7 < ratio < 1.5, (row["setting"], row["predicted_peak_mb"], row["peak_mem_mb"])

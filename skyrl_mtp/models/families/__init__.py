@@ -12,6 +12,7 @@ from pathlib import Path
 from skyrl_mtp.models.families.base import (
     ModelBuildError,
     ModelFamily,
+    ModelShape,
     MTPReplayInputs,
     WeightMappingError,
     WeightRule,
@@ -92,7 +93,7 @@ def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
     return family_for_config(read_hf_config(hf_dir))
 
 
-__all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "WeightMappingError", "WeightRule",
+__all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "ModelShape", "MTPReplayInputs", "WeightMappingError", "WeightRule",
            "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
            "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
            "serving_family"]

@@ -76,6 +76,37 @@ class MTPReplayInputs:
         return 0 if self.depth_layer == "first" else min(depth - 1, num_layers - 1)
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What the GPU memory plan (config/memory_plan.py) needs of an architecture: parameter counts, split into
+    what tensor parallelism shards and what every rank holds whole (norms), and the sizes that set activations and
+    the KV cache. Counts are of the HF checkpoint's tensors (the Megatron model holds the same numbers)."""
+
+    hidden: int
+    layers: int                    # trunk layers
+    attention_layers: int          # of them, softmax attention (KV cache; [S, S] scores on the local spec)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params_sharded: int            # trunk (the policy's side), embedding and LM head included, split over TP
+    params_replicated: int         # trunk, whole on every TP rank
+    mtp_layers: int
+    mtp_params_sharded: int        # the MTP layers' own parameters (the head's side; it shares embedding / LM head)
+    mtp_params_replicated: int
+    largest_tensor: int            # elements of the largest HF tensor (sizes the IPC packing buffer)
+    attention_gate: bool = False   # an output gate per head on q_proj (Qwen3.5)
+    linear_qkv: int = 0            # hybrid (Gated DeltaNet) layers: width of the fused q/k/v projection
+    linear_value: int = 0          # ... of the value / gate (z) projections
+    linear_heads: int = 0          # ... value heads
+    linear_state: int = 0          # ... elements of one sequence's recurrent + conv state, over all of them
+
+    @property
+    def params(self) -> int:
+        return self.params_sharded + self.params_replicated + self.mtp_params_sharded + self.mtp_params_replicated
+
+
 def chunk(t: torch.Tensor, dim: int | None, rank: int, size: int, what: str = "") -> torch.Tensor:
     """Rank ``rank``'s contiguous chunk of ``t`` along ``dim`` (the whole tensor for dim None)."""
     if dim is None or size == 1:
@@ -221,18 +252,25 @@ class ModelFamily:
     def args_from_config(self, hf_cfg: dict):
         raise NotImplementedError
 
-    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
-        """A GPTModel for ``args``; model-parallel state must already be initialised."""
+    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", recompute: bool = False,
+                    transformer_engine: bool | None = None):
+        """A GPTModel for ``args``; model-parallel state must already be initialised. ``recompute``: Megatron's full
+        activation recompute; ``transformer_engine``: the layer spec (megatron_common.use_transformer_engine)."""
         raise NotImplementedError
 
-    def weight_rules(self, args, mtp_layers: int) -> dict[str, WeightRule]:
-        """Megatron parameter name -> how it is made of HF tensors."""
+    def weight_rules(self, args, mtp_layers: int, *, transformer_engine: bool | None = None) -> dict[str, WeightRule]:
+        """Megatron parameter name -> how it is made of HF tensors (names of the layer spec ``build_model`` builds
+        with the same ``transformer_engine``)."""
         raise NotImplementedError
 
     def ignorable_hf_names(self, args, mtp_layers: int, hf: dict) -> set[str]:
         """HF tensors of the checkpoint (``hf``: name -> tensor) the model does not build (e.g. MTP layers
         beyond mtp_layers)."""
         return set()
+
+    def memory_shape(self, args, mtp_layers: int) -> ModelShape:
+        """The architecture's sizes for the GPU memory plan, with ``mtp_layers`` MTP layers built."""
+        raise NotImplementedError
 
     def prepare_vllm_import(self) -> None:
         """Make vLLM's model code for this family importable in this process (no-op unless needed)."""

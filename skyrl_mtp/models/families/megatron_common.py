@@ -1,4 +1,7 @@
-"""Megatron settings every family shares: CPU-safe (no fused kernels, no dropout), dtype and TP checks."""
+"""Megatron settings every family shares: CPU-safe (no fused kernels, no dropout), dtype and TP checks, activation
+recompute, and the one choice of layer spec: Transformer Engine's where it imports on a GPU, else megatron-core's
+local one (the CPU path). The local spec's attention materialises the [B, heads, S, S] scores (about 13 GB per layer
+at micro-batch 2, 16 heads per rank, S=10240); Transformer Engine's fused / flash attention never does."""
 
 from __future__ import annotations
 
@@ -39,6 +42,72 @@ def mtp_inner_layer_name() -> str:
     return mtp_inner_layer_name_from_fields(f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules))
 
 
+def transformer_engine_installed() -> bool:
+    """Transformer Engine is installed here (no import, no GPU needed): what a driver assumes of its GPU workers,
+    which run the same image (the memory plan counts the attention they will build)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_engine_available() -> bool:
+    """Transformer Engine imports, megatron-core's TE extension with it, and a GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from megatron.core.models.gpt import gpt_layer_specs
+    except ImportError:   # pragma: no cover - megatron-core is a dependency
+        return False
+    return bool(getattr(gpt_layer_specs, "HAVE_TE", False))
+
+
+def use_transformer_engine(requested: bool | None = None) -> bool:
+    """The layer-spec choice every family makes through here: `requested` None = Transformer Engine when it is
+    available; True = required (fails loudly where it is not); False = the local spec."""
+    available = transformer_engine_available()
+    if requested is None:
+        return available
+    if requested and not available:
+        raise ModelBuildError("transformer_engine=True is invalid here: Transformer Engine (with megatron-core's TE "
+                              "extension) does not import in this process, or it has no GPU; allowed: install "
+                              "transformer_engine on the GPU nodes (the memory plan counted its fused attention), or "
+                              "run where it imports")
+    return bool(requested)
+
+
+@functools.cache
+def te_fused_norm_names() -> dict[str, str]:
+    """Where a layer's norms live under Transformer Engine's spec, from megatron-core itself: the local spec's
+    ``sharded_state_dict_keys_map`` (gpt_layer_specs.py) maps ``input_layernorm.`` to the fused
+    ``self_attention.linear_qkv.layer_norm_`` and ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    mapping = dict(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map)
+    if set(mapping) != {"input_layernorm.", "pre_mlp_layernorm."}:
+        raise ModelBuildError(f"megatron-core's local layer spec maps {mapping} for Transformer Engine checkpoints; "
+                              "expected input_layernorm. and pre_mlp_layernorm. (update te_fused_norm_names)")
+    return mapping
+
+
+def rename_for_transformer_engine(rules: dict) -> dict:
+    """Weight rules keyed by the local spec's parameter names -> the same rules under TE's fused-norm names."""
+    mapping = te_fused_norm_names()
+    out = {}
+    for name, rule in rules.items():
+        for local, fused in mapping.items():
+            name = name.replace("." + local, "." + fused)
+        out[name] = rule
+    return out
+
+
+def recompute_kwargs(recompute: bool) -> dict:
+    """TransformerConfig fields of Megatron's full activation recompute, one layer per checkpoint (the layers'
+    inputs are kept, each layer is re-run in backward): the one setting megatron.recompute_activations chooses."""
+    if not recompute:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
 def check_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ModelBuildError(f"dtype={dtype!r} is invalid; allowed: {tuple(DTYPES)}")
@@ -73,9 +142,10 @@ def gated_rmsnorm_decoder_kwargs(args, *, qkv_bias: bool) -> dict:
     )
 
 
-def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int) -> dict:
+def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int, recompute: bool = False) -> dict:
     """TransformerConfig fields that do not depend on the architecture."""
     return dict(
+        **recompute_kwargs(recompute),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,

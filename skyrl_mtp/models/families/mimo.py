@@ -15,6 +15,7 @@ import torch
 from skyrl_mtp.models.families.base import (
     ModelBuildError,
     ModelFamily,
+    ModelShape,
     MTPReplayInputs,
     WeightMappingError,
     WeightRule,
@@ -30,7 +31,10 @@ from skyrl_mtp.models.families.megatron_common import (
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
+    rename_for_transformer_engine,
     rope_base,
+    transformer_engine_available,
+    use_transformer_engine,
 )
 
 
@@ -83,7 +87,8 @@ class HFModelArgs:
         )
 
 
-def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                       recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -91,7 +96,7 @@ def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, d
                     intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
     return TransformerConfig(
         **gated_rmsnorm_decoder_kwargs(args, qkv_bias=args.qkv_bias),
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute),
     )
 
 
@@ -116,15 +121,22 @@ class MiMoFamily(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> HFModelArgs:
         return HFModelArgs.from_hf_config(hf_cfg)
 
-    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                    recompute: bool = False, transformer_engine: bool | None = None):
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+            get_gpt_mtp_block_spec,
+        )
 
-        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        te = use_transformer_engine(transformer_engine)
+        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute)
+        # TE: fused RMSNorm + linear, fused / flash causal attention; local: the CPU path (materialised scores)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec() if te else get_gpt_layer_local_spec(normalization="RMSNorm")
         mtp_spec = None
         if mtp_num_layers > 0:
-            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -153,7 +165,13 @@ class MiMoFamily(ModelFamily):
             [[args.intermediate_size], [args.intermediate_size]])
         return out
 
-    def weight_rules(self, args: HFModelArgs, mtp_layers: int) -> dict[str, WeightRule]:
+    def weight_rules(self, args: HFModelArgs, mtp_layers: int, *,
+                     transformer_engine: bool | None = None) -> dict[str, WeightRule]:
+        rules = self._local_weight_rules(args, mtp_layers)
+        te = transformer_engine_available() if transformer_engine is None else transformer_engine
+        return rename_for_transformer_engine(rules) if te else rules
+
+    def _local_weight_rules(self, args: HFModelArgs, mtp_layers: int) -> dict[str, WeightRule]:
         out = {"embedding.word_embeddings.weight": split_rule("model.embed_tokens.weight", 0)}
         for i in range(args.num_layers):
             out.update(self._block_rules(args, f"decoder.layers.{i}.", f"model.layers.{i}."))
@@ -168,6 +186,20 @@ class MiMoFamily(ModelFamily):
         if not args.tie_word_embeddings:
             out["output_layer.weight"] = split_rule("lm_head.weight", 0)
         return out
+
+    def memory_shape(self, args: HFModelArgs, mtp_layers: int) -> ModelShape:
+        h, a, g, d, f, v = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                            args.intermediate_size, args.vocab_size)
+        attention = 2 * h * a * d + 2 * h * g * d + ((a + 2 * g) * d if args.qkv_bias else 0)   # q, o, k, v (+bias)
+        block = attention + 3 * h * f                                                        # + gate, up, down
+        embed_and_head = v * h * (1 if args.tie_word_embeddings else 2)
+        return ModelShape(
+            hidden=h, layers=args.num_layers, attention_layers=args.num_layers, heads=a, kv_heads=g, head_dim=d,
+            intermediate=f, vocab=v, params_sharded=args.num_layers * block + embed_and_head,
+            params_replicated=args.num_layers * 2 * h + h, mtp_layers=mtp_layers,
+            mtp_params_sharded=mtp_layers * (block + 2 * h * h),   # + input_proj [h, 2h]
+            mtp_params_replicated=mtp_layers * 5 * h,              # block norms, token/hidden/final norms
+            largest_tensor=max(v * h, f * h, a * d * h))
 
     def ignorable_hf_names(self, args: HFModelArgs, mtp_layers: int, hf: dict) -> set[str]:
         out = set()

@@ -26,6 +26,7 @@ import torch
 from skyrl_mtp.models.families.base import (
     ModelBuildError,
     ModelFamily,
+    ModelShape,
     MTPReplayInputs,
     WeightMappingError,
     WeightRule,
@@ -41,6 +42,7 @@ from skyrl_mtp.models.families.megatron_common import (
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
     rope_base,
+    use_transformer_engine,
 )
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -124,7 +126,7 @@ class Qwen35Args:
 
 
 def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
-                       deterministic: bool = True):
+                       deterministic: bool = True, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -145,12 +147,14 @@ def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dt
         linear_num_key_heads=args.linear_num_key_heads,
         linear_num_value_heads=args.linear_num_value_heads,
         deterministic_mode=deterministic,
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute),
     )
 
 
-def _layer_specs():
-    """(GDN layer spec, full-attention layer spec, local backend with the offset norm)."""
+def _layer_specs(transformer_engine: bool = False):
+    """(GDN layer spec, full-attention layer spec, local backend with the offset norm). With Transformer Engine the
+    full-attention layers' core attention is TE's fused / flash one (no parameters: the weight names are unchanged);
+    everything else stays local (megatron-core's hybrid TE spec asserts TE for the Gated DeltaNet as well)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -167,6 +171,10 @@ def _layer_specs():
     sub.input_layernorm = sub.pre_mlp_layernorm = OffsetRMSNorm
     sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = OffsetRMSNorm
     sub.sharded_state_dict_keys_map = {}
+    if transformer_engine:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        sub.self_attention.submodules.core_attention = TEDotProductAttention
     backend = Backend()
     gdn = ModuleSpec(
         module=attn.module,
@@ -200,7 +208,8 @@ class Qwen35Family(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> Qwen35Args:
         return Qwen35Args.from_hf_config(hf_cfg)
 
-    def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+    def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                    recompute: bool = False, transformer_engine: bool | None = None):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -212,8 +221,8 @@ class Qwen35Family(ModelFamily):
                                   "across MTP layers and vLLM drafts with layer 0 only; allowed: 0 or 1")
         deterministic = enable_torch_gated_delta_net()
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype,
-                                    deterministic=deterministic)
-        gdn, attn, backend = _layer_specs()
+                                    deterministic=deterministic, recompute=recompute)
+        gdn, attn, backend = _layer_specs(use_transformer_engine(transformer_engine))
         block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in args.layer_types],
                                            layer_norm=OffsetRMSNorm)
         mtp_spec = get_gpt_mtp_block_spec_for_backend(config, attn, backend) if mtp_num_layers > 0 else None
@@ -269,7 +278,9 @@ class Qwen35Family(ModelFamily):
         out[a + "out_proj.weight"] = split_rule(h + "out_proj.weight", 1)
         return out
 
-    def weight_rules(self, args: Qwen35Args, mtp_layers: int) -> dict[str, WeightRule]:
+    def weight_rules(self, args: Qwen35Args, mtp_layers: int, *,
+                     transformer_engine: bool | None = None) -> dict[str, WeightRule]:
+        """The same names under either spec (only the parameter-free core attention differs)."""
         p = args.hf_prefix
         out = {"embedding.word_embeddings.weight": split_rule(p + "embed_tokens.weight", 0)}
         for i, t in enumerate(args.layer_types):
@@ -288,6 +299,31 @@ class Qwen35Family(ModelFamily):
         if not args.tie_word_embeddings:
             out["output_layer.weight"] = split_rule("lm_head.weight", 0)
         return out
+
+    def memory_shape(self, args: Qwen35Args, mtp_layers: int) -> ModelShape:
+        h, a, g, d, f, v = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                            args.intermediate_size, args.vocab_size)
+        kd = args.linear_key_head_dim * args.linear_num_key_heads
+        vd = args.linear_value_head_dim * args.linear_num_value_heads
+        nv = args.linear_num_value_heads
+        mlp = 3 * h * f
+        attention = h * a * d * (2 if args.attn_output_gate else 1) + 2 * h * g * d + a * d * h
+        gdn = h * (2 * kd + vd + vd + 2 * nv) + (2 * kd + vd) * args.conv_kernel + 2 * nv + vd * h
+        n_full = sum(t == FULL for t in args.layer_types)
+        n_linear = len(args.layer_types) - n_full
+        embed_and_head = v * h * (1 if args.tie_word_embeddings else 2)
+        return ModelShape(
+            hidden=h, layers=args.num_layers, attention_layers=n_full, heads=a, kv_heads=g, head_dim=d,
+            intermediate=f, vocab=v,
+            params_sharded=n_full * (attention + mlp) + n_linear * (gdn + mlp) + embed_and_head,
+            params_replicated=args.num_layers * 2 * h + n_full * 2 * d + n_linear * args.linear_value_head_dim + h,
+            mtp_layers=mtp_layers, mtp_params_sharded=mtp_layers * (attention + mlp + 2 * h * h),
+            mtp_params_replicated=mtp_layers * (2 * h + 2 * d + 3 * h),
+            largest_tensor=max(v * h, f * h, (2 * kd + vd) * h),
+            attention_gate=args.attn_output_gate, linear_qkv=2 * kd + vd, linear_value=vd, linear_heads=nv,
+            # per GDN layer: the [heads, k_dim, v_dim] recurrent state and the conv's last (kernel - 1) inputs
+            linear_state=n_linear * (nv * args.linear_key_head_dim * args.linear_value_head_dim
+                                     + (2 * kd + vd) * (args.conv_kernel - 1)))
 
     def ignorable_hf_names(self, args: Qwen35Args, mtp_layers: int, hf: dict) -> set[str]:
         out = set()

@@ -1,7 +1,8 @@
 """Make megatron-core's forward/backward run without CUDA.
 
 megatron-core asks ``torch.cuda.current_device()`` for the device of RoPE tables, its global
-memory buffer and MTP metrics, and keeps its model-parallel RNG states in CUDA generators.
+memory buffer and MTP metrics, keeps its model-parallel RNG states in CUDA generators, and builds the
+causal mask of a batch without one (``attention_mask=None``, policy/batch_layout.py) on "cuda".
 Without a GPU both fail. This shim redirects them to the CPU; the device seam (policy/megatron/device.py)
 applies it when a rank runs on the CPU, and it checks every patch target exists (with the expected call
 signature) before touching it.
@@ -63,6 +64,11 @@ def _noop_device_ctx(*_args, **_kwargs):
     yield
 
 
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """megatron.core.transformer.utils.get_default_causal_mask on the CPU: True above the diagonal (masked)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
 def apply_cpu_shim(*, force: bool = False) -> bool:
     """Patch megatron-core for CPU. Returns True when patches are (already) active.
 
@@ -74,8 +80,12 @@ def apply_cpu_shim(*, force: bool = False) -> bool:
     if torch.cuda.is_available() and not force:
         return False
 
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
 
+    # the local attention's softmax builds the causal mask of a mask-less batch with this name, imported into it
+    causal = _require_attr(fused_softmax, "get_default_causal_mask", "megatron.core.fusions.fused_softmax")
+    _require_params(causal, ("sq",), "megatron get_default_causal_mask")
     get_state = _require_attr(mrandom, "_get_cuda_rng_state", "megatron.core.tensor_parallel.random")
     set_state = _require_attr(mrandom, "_set_cuda_rng_state", "megatron.core.tensor_parallel.random")
     tracker = _require_attr(mrandom, "CudaRNGStatesTracker", "megatron.core.tensor_parallel.random")
@@ -92,6 +102,7 @@ def apply_cpu_shim(*, force: bool = False) -> bool:
     mrandom._get_cuda_rng_state = _cpu_get_rng_state
     mrandom._set_cuda_rng_state = _cpu_set_rng_state
     tracker.add = _cpu_tracker_add
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     _APPLIED = True
     return True
 

@@ -94,6 +94,32 @@ def rank_device() -> RankDevice:
     return dev
 
 
+def hand_over_to_engines(dev: RankDevice, sides: list, *, offload: bool) -> list[str]:
+    """After training, before colocated engines wake on this GPU: with `offload` (the memory plan's choice) each
+    optimizer side moves its grads and optimizer state to host memory (``offload_to_host``); then the caching
+    allocator's free blocks go back to the driver (``torch.cuda.empty_cache``) so the engines can map them. Returns
+    what was done, in order; on the CPU both are no-ops (nothing is listed but what ran)."""
+    done = []
+    if offload and dev.is_cuda:
+        for side in sides:
+            side.offload_to_host()
+            done.append(f"offload {side.name}")
+    if dev.is_cuda:
+        torch.cuda.empty_cache()
+        done.append("empty_cache")
+    return done
+
+
+def take_back_from_engines(dev: RankDevice, sides: list, *, offload: bool) -> list[str]:
+    """After the colocated engines slept: what `hand_over_to_engines` moved to host memory comes back."""
+    done = []
+    if offload and dev.is_cuda:
+        for side in sides:
+            side.restore_to_device()
+            done.append(f"restore {side.name}")
+    return done
+
+
 def activate(dev: RankDevice) -> None:
     """Make ``dev`` current for libraries that ask torch.cuda for "the" device (megatron-core):
     ``torch.cuda.set_device`` on GPU, the megatron-core CPU shim on CPU."""

@@ -108,6 +108,8 @@ class MegatronSideOptimizer:
         cfg = model.config
         bf16, fp16 = bool(getattr(cfg, "bf16", False)), bool(getattr(cfg, "fp16", False))
         self.params = params
+        self.name = "head" if module is not model else "policy"
+        self._offloaded = False
         self._scope = _device_scope(params)
         with self._scope(), _only_trainable(params, others):
             self.ddp = megatron_ddp(model, module, params, others, distributed=distributed)
@@ -127,6 +129,26 @@ class MegatronSideOptimizer:
         with self._scope():
             self.ddp.zero_grad_buffer()
             self.opt.zero_grad()
+
+    def offload_to_host(self) -> None:
+        """Colocated engines awake: free the fp32 grad buffer (its contents are spent once the step is taken) and move
+        the optimizer's fp32 master shard and Adam moments to host memory, through megatron-core's own RL API
+        (DistributedDataParallel.offload_grad_buffers, MegatronOptimizer.offload_to_cpu)."""
+        if self._offloaded:
+            return
+        offload = _require(self.ddp, "offload_grad_buffers", "megatron DistributedDataParallel")
+        to_cpu = _require(self.opt, "offload_to_cpu", "megatron optimizer")
+        offload(synchronize=True, empty_cache=False)
+        to_cpu()
+        self._offloaded = True
+
+    def restore_to_device(self) -> None:
+        """Before training: the grad buffer reallocated (zeroed) and the optimizer state back on the GPU."""
+        if not self._offloaded:
+            return
+        _require(self.ddp, "restore_grad_buffers", "megatron DistributedDataParallel")(synchronize=False)
+        _require(self.opt, "restore_from_cpu", "megatron optimizer")()
+        self._offloaded = False
 
     def reduce_grads(self) -> None:
         """All-reduce (or reduce-scatter, distributed) the fp32 main grads over data parallel."""

@@ -47,9 +47,18 @@ def resolve_mtp_layers(args, requested: int | None, mtp_enabled: bool = True) ->
     return requested
 
 
-def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
-    """The family's GPTModel for ``args``; model-parallel state must already be initialised."""
+def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", recompute: bool = False,
+                    transformer_engine: bool | None = None):
+    """The family's GPTModel for ``args``; model-parallel state must already be initialised. The built
+    TransformerConfig is checked for the recompute asked (a family that dropped it would fail here, not by OOM)."""
     family: ModelFamily = args.family
-    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
+    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute,
+                               transformer_engine=transformer_engine)
+    built = (getattr(model.config, "recompute_granularity", None), getattr(model.config, "recompute_method", None),
+             getattr(model.config, "recompute_num_layers", None))
+    want = ("full", "uniform", 1) if recompute else (None, None, None)
+    if built != want:
+        raise ModelBuildError(f"the {family.name} model was built with recompute (granularity, method, layers) = "
+                              f"{built}, expected {want} for recompute={recompute}")
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model

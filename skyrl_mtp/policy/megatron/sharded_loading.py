@@ -64,10 +64,10 @@ class LazyHFCheckpoint(Mapping):
         return sl[index]
 
 
-def check_checkpoint(ckpt: LazyHFCheckpoint, args, mtp_layers: int) -> dict:
-    """The family's weight rules, after checking the checkpoint has exactly the HF tensors they need (plus
-    ones the family may ignore); headers only."""
-    rules = args.family.weight_rules(args, mtp_layers)
+def check_checkpoint(ckpt: LazyHFCheckpoint, args, mtp_layers: int, *, transformer_engine: bool | None = None) -> dict:
+    """The family's weight rules (for the layer spec ``transformer_engine`` chooses), after checking the checkpoint
+    has exactly the HF tensors they need (plus ones the family may ignore); headers only."""
+    rules = args.family.weight_rules(args, mtp_layers, transformer_engine=transformer_engine)
     needed = {n for r in rules.values() for n in r.hf_names}
     missing = sorted(needed - ckpt.keys())
     ignorable = args.family.ignorable_hf_names(args, mtp_layers, ckpt) - needed

@@ -30,6 +30,12 @@ def test_cpu_rank_recompute_stream_export(tiny_ckpt, tmp_path):
     try:
         assert (str(plain.device.device), plain.device.backend) == ("cpu", "gloo")
         assert type(plain.policy_side).__name__ == "TorchSideOptimizer"
+        # megatron.recompute_activations reaches the TransformerConfig Megatron built (its blocks read it)
+        assert (recompute.model.config.recompute_granularity, recompute.model.config.recompute_method,
+                recompute.model.config.recompute_num_layers) == ("full", "uniform", 1)
+        assert plain.model.config.recompute_granularity is None
+        assert not plain.transformer_engine                    # the local spec on CPU
+        assert plain.release_device_memory() == [] and plain.reclaim_device_memory() == []   # CPU: no-ops
         src = load_hf_weights(tiny_ckpt)
         first = plain.export_weights()                       # the sharded load is exact
         assert first.keys() == src.keys() and all(torch.equal(first[k], src[k]) for k in src)

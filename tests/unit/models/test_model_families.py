@@ -279,3 +279,63 @@ def test_mtp_weight_rules_name_the_installed_megatron_layer():
         args = family_for_config(cfg).args_from_config(cfg)
         parts = {n.split(".")[3] for n in weight_rules(args, 1) if n.startswith("mtp.layers.0.") and n.count(".") > 4}
         assert parts == {mtp_inner_layer_name()}, (spec.family, parts)
+
+
+# ---------------------------------------------------------------------------------------------- layer spec, recompute
+
+def test_the_layer_spec_seam_is_local_on_cpu_and_refuses_a_missing_transformer_engine():
+    from skyrl_mtp.models.families.megatron_common import transformer_engine_available, use_transformer_engine
+
+    assert not transformer_engine_available()          # no GPU (and no TE) here
+    assert use_transformer_engine(None) is False and use_transformer_engine(False) is False
+    with pytest.raises(ModelBuildError, match="transformer_engine=True is invalid here"):
+        use_transformer_engine(True)
+
+
+def test_transformer_engine_weight_names_follow_megatrons_own_map_of_the_fused_norms():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from skyrl_mtp.models.families.megatron_common import rename_for_transformer_engine
+    from skyrl_mtp.models.families.mimo import MIMO, HFModelArgs
+
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 320, "num_nextn_predict_layers": 1}
+    args = HFModelArgs.from_hf_config(cfg)
+    local = MIMO.weight_rules(args, 1, transformer_engine=False)
+    te = MIMO.weight_rules(args, 1, transformer_engine=True)
+    def names(rules):
+        return {k: r.hf_names for k, r in rules.items()}
+
+    assert names(rename_for_transformer_engine(local)) == names(te) and len(te) == len(local)
+    keys_map = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
+    assert keys_map == {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    assert te["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"].hf_names == (
+        "model.layers.1.input_layernorm.weight",)
+    assert te["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"].hf_names == (
+        "model.layers.0.post_attention_layernorm.weight",)
+    inner = next(k for k in te if k.startswith("mtp.layers.0.") and k.endswith("linear_qkv.layer_norm_weight"))
+    assert te[inner].hf_names == ("model.mtp_layers.0.input_layernorm.weight",)
+    # the MTP layer's own norms and the final norm keep their names under either spec
+    for name in ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight",
+                 "decoder.final_layernorm.weight"):
+        assert te[name].hf_names == local[name].hf_names
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in te)
+    # Qwen3.5 swaps only its (parameter-free) core attention: the same names either way
+    qargs = Qwen35Args.from_hf_config(qwen_cfg())
+    assert QWEN3_5.weight_rules(qargs, 1, transformer_engine=True).keys() == QWEN3_5.weight_rules(qargs, 1).keys()
+
+
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
+def test_recompute_reaches_the_built_transformer_config(family):
+    from skyrl_mtp.models.families import mimo, qwen3_5
+
+    if family == "mimo":
+        args = mimo.HFModelArgs.from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                "intermediate_size": 128, "vocab_size": 320})
+        build = mimo.transformer_config
+    else:
+        args, build = Qwen35Args.from_hf_config(qwen_cfg()), qwen3_5.transformer_config
+    on, off = build(args, mtp_num_layers=1, recompute=True), build(args, mtp_num_layers=1)
+    assert (on.recompute_granularity, on.recompute_method, on.recompute_num_layers) == ("full", "uniform", 1)
+    assert (off.recompute_granularity, off.recompute_method, off.recompute_num_layers) == (None, None, None)

@@ -108,3 +108,34 @@ def test_stream_writer_refuses_a_stream_unlike_its_layout(tmp_path):
     with pytest.raises(StreamExportError, match="more tensors than announced"):
         write_safetensors_stream(tmp_path / "x.safetensors", layout[:1], iter([("a", torch.zeros(2)), ("b", torch.zeros(2))]))
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+class _Side:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def offload_to_host(self):
+        self.calls.append(f"offload {self.name}")
+
+    def restore_to_device(self):
+        self.calls.append(f"restore {self.name}")
+
+
+def test_handing_memory_to_colocated_engines_is_a_no_op_on_cpu_and_ordered_on_gpu(monkeypatch):
+    import torch
+
+    from skyrl_mtp.policy.megatron.device import RankDevice, hand_over_to_engines, take_back_from_engines
+
+    calls: list[str] = []
+    sides = [_Side("policy", calls), _Side("head", calls)]
+    cpu = RankDevice(torch.device("cpu"), "gloo")
+    assert hand_over_to_engines(cpu, sides, offload=True) == [] and take_back_from_engines(cpu, sides, offload=True) == []
+    assert calls == []                                  # CPU: nothing to hand over, nothing called
+    gpu = RankDevice(torch.device("cuda", 0), "nccl")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    assert hand_over_to_engines(gpu, sides, offload=True) == ["offload policy", "offload head", "empty_cache"]
+    assert calls == ["offload policy", "offload head", "empty_cache"]   # the cache emptied after the offload
+    assert take_back_from_engines(gpu, sides, offload=True) == ["restore policy", "restore head"]
+    calls.clear()
+    assert hand_over_to_engines(gpu, sides, offload=False) == ["empty_cache"]   # the plan did not ask for offload
+    assert take_back_from_engines(gpu, sides, offload=False) == [] and calls == ["empty_cache"]

@@ -69,3 +69,40 @@ def test_segment_positions_and_mask():
     assert m[3, 2] and not m[4, 3] and m[1, 2] and not m[2, 0]
     with pytest.raises(BatchError, match="loss_mask"):
         validate_batch({"input_ids": torch.zeros(2, 3), "loss_mask": torch.zeros(2, 4)}, ("input_ids",))
+
+
+def test_rows_of_one_sequence_take_the_causal_path_without_a_dense_mask():
+    from skyrl_mtp.policy.batch_layout import layout_bytes, packed_mask
+
+    b, s = 16, 512
+    ids = torch.zeros(b, s, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    plain = prepare(batch)
+    assert plain["megatron_mask"] is None
+    # the layout is the batch's own tensors plus position ids: 4 x [B, S] int64
+    assert layout_bytes(plain) == 4 * b * s * 8 == 262144
+    packed = prepare({**batch, "segment_ids": torch.zeros_like(ids)})
+    assert packed["megatron_mask"].shape == (b, 1, s, s)
+    assert layout_bytes(packed) == 5 * b * s * 8 + b * s * s == 4521984   # what every batch carried before
+    # the dense mask of one segment per row is exactly the causal mask (True above the diagonal)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    assert torch.equal(packed_mask(torch.zeros(2, s, dtype=torch.long)), causal.expand(2, 1, s, s))
+
+
+def test_megatrons_causal_softmax_without_a_mask_equals_the_dense_mask_bitwise():
+    # the local attention's softmax (fused_softmax.py forward_torch_softmax) builds the causal mask itself when the
+    # mask is None; on the CPU through the shim's get_default_causal_mask
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from skyrl_mtp.policy.batch_layout import packed_mask
+
+    assert cpu_shim.apply_cpu_shim()
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=False, attn_mask_type=AttnMaskType.causal,
+                                    scaled_masked_softmax_fusion=False, mask_func=attention_mask_func,
+                                    softmax_in_fp32=True, scale=None)
+    scores = torch.randn(3, 4, 9, 9, generator=torch.Generator().manual_seed(0))
+    dense = softmax(scores.clone(), packed_mask(torch.zeros(3, 9, dtype=torch.long)))
+    causal = softmax(scores.clone(), None)
+    assert torch.equal(dense, causal) and causal[0, 0, 0, 1] == 0

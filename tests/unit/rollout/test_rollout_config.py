@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from skyrl_mtp.rollout.config import (
     MANAGED_ENGINE_KWARGS,
@@ -12,7 +13,7 @@ from skyrl_mtp.rollout.config import (
     check_checkpoint,
     check_engine_kwargs_known,
 )
-from skyrl_mtp.rollout.engine import engine_process_settings
+from skyrl_mtp.rollout.engine import engine_environment, engine_process_settings
 from skyrl_mtp.rollout.sampling import SamplingSpec, validate_prompts
 
 
@@ -72,6 +73,8 @@ def test_engine_process_settings_carry_the_sampling_switches_and_the_replay_memo
     # an engine that drafts asks the vLLM plugin for the memo of replay boundaries (kv_replay_cache)
     drafting = engine_process_settings(EngineConfig(model_path="/x", num_speculative_tokens=2))
     assert drafting.kv_replay_cache is True
+    # vLLM's own variables: the V1 runner unless the config chooses V2
+    assert engine_environment(EngineConfig(model_path="/x")) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     # one variable carries the whole object, and a process reads back exactly what was set
     (name, value), = drafting.to_env().items()
     monkeypatch.setenv(name, value)
@@ -79,6 +82,109 @@ def test_engine_process_settings_carry_the_sampling_switches_and_the_replay_memo
     monkeypatch.setenv(name, value.replace('"speculation"', '"an_unknown_field"'))
     with pytest.raises(ValueError, match="unknown fields"):
         engine_process.current()
+
+
+def test_ipc_engines_allow_vllms_pickle_fallback_and_others_do_not():
+    ipc = engine_environment(EngineConfig(model_path="/x", weight_transfer_backend="ipc"))
+    assert ipc["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    for backend in ("nccl", "skyrl_cpu"):
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in engine_environment(
+            EngineConfig(model_path="/x", weight_transfer_backend=backend))
+
+
+def _ipc_handle_args():
+    """The shape of torch's reduce_tensor args for a CUDA tensor (multiprocessing/reductions.py rebuild_cuda_tensor):
+    classes, a dtype and bytes, as vLLM's IPC transport puts them in every update."""
+    return (torch.Tensor, (4, 2), (2, 1), 0, torch.UntypedStorage, torch.bfloat16, 0, b"\x01" * 64, 16, 0, False,
+            b"\x02" * 16, 0, b"\x03" * 64, True)
+
+
+def test_vllms_rpc_encoder_refuses_ipc_handles_without_the_flag(monkeypatch):
+    # what AsyncLLM.update_weights sends the engine core (a collective_rpc through v1/serial_utils.py's msgpack)
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    payload = {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 2]],
+                               "ipc_handles": {"GPU-uuid": _ipc_handle_args()}, "tensor_sizes": [16]}}
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        MsgpackEncoder().encode(payload)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # what engine_environment sets for ipc
+    back = MsgpackDecoder().decode(MsgpackEncoder().encode(payload))
+    args = back["update_info"]["ipc_handles"]["GPU-uuid"]
+    assert args[0] is torch.Tensor and args[4] is torch.UntypedStorage and args[5] is torch.bfloat16
+    assert args[7] == b"\x01" * 64
+
+
+def test_the_model_runner_is_pinned_to_v1_and_v2_runs_without_the_v1_only_features():
+    from skyrl_mtp.rollout.config import V1_ONLY_FEATURES
+    from skyrl_mtp.rollout.engine import v2_warning
+
+    v1 = EngineConfig(model_path="/x", num_speculative_tokens=2)
+    assert engine_environment(v1)["VLLM_USE_V2_MODEL_RUNNER"] == "0" and v1.v1_features_off() == {}
+    v2 = EngineConfig(model_path="/x", num_speculative_tokens=2, model_runner="v2")
+    assert engine_environment(v2)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    on_v2 = engine_process_settings(v2)   # what the engine's workers patch: nothing V1-only
+    assert on_v2.draft_invariant_sampling is False and on_v2.cpu_sampling_fix is False
+    lost = v2.v1_features_off()
+    assert list(lost) == ["draft_invariant_sampling", "cpu_sampling_fix", "compile_warmup"]
+    text = v2_warning(lost)
+    assert all(f"{name} (lost: {V1_ONLY_FEATURES[name]})" in text for name in lost)
+    with pytest.raises(ValueError, match="model_runner='v2' is invalid: 'v1' with adaptive_speculation=True"):
+        EngineConfig(model_path="/x", num_speculative_tokens=2, adaptive_speculation=True, model_runner="v2")
+    with pytest.raises(ValueError, match=r"model_runner='v3' is invalid: one of \('v1', 'v2'\)"):
+        EngineConfig(model_path="/x", model_runner="v3")
+
+
+def test_an_unkept_draft_invariance_is_warned_loudly():
+    from skyrl_mtp.rollout.config import unkept_guarantees
+
+    cfg = EngineConfig(model_path="/x", num_speculative_tokens=2)
+    assert unkept_guarantees(cfg, ["installed", "installed"]) == []
+    (gpu,) = unkept_guarantees(cfg, ["installed", "not_cpu"])
+    assert gpu.startswith("generator.draft_invariant_sampling=true is NOT honoured: not_cpu: it is implemented for "
+                          "vLLM's CPU sampler only")
+    assert "no longer equal plain ones token for token" in gpu
+    # nothing promised, nothing to warn about: the setting off, or no speculative decoding
+    assert unkept_guarantees(EngineConfig(model_path="/x", num_speculative_tokens=2, draft_invariant_sampling=False),
+                             ["disabled"]) == []
+    assert unkept_guarantees(EngineConfig(model_path="/x"), ["not_cpu"]) == []
+
+
+def test_engine_client_warns_when_the_engines_cannot_keep_draft_invariance(monkeypatch):
+    import ray
+
+    from skyrl_mtp.rollout import client as client_mod
+    from skyrl_mtp.rollout.config import GuaranteeWarning
+
+    infos = [{"schema": {}, "vocab_size": 8, "model_runner": "v1", "draft_invariant_sampling": "not_cpu"}]
+
+    class Actor:
+        class ready:
+            @staticmethod
+            def remote():
+                return infos[0]
+
+    class Remote:
+        def __init__(self, cls):
+            pass
+
+        def options(self, **_):
+            return self
+
+        def remote(self, *_):
+            return Actor()
+
+    monkeypatch.setattr(client_mod, "check_checkpoint", lambda cfg: {})
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "remote", Remote)
+    monkeypatch.setattr(ray, "get", lambda refs, **_: refs)
+    monkeypatch.setattr(ray, "kill", lambda actor: None)
+    with pytest.warns(GuaranteeWarning, match="generator.draft_invariant_sampling=true is NOT honoured: not_cpu"):
+        client_mod.EngineClient.create(EngineConfig(model_path="/x", num_speculative_tokens=1))
+    infos[0] = {**infos[0], "model_runner": "v2"}
+    with pytest.raises(RuntimeError, match=r"engines \[0\] run vLLM's model runner \['v2'\], not "
+                                           r"EngineConfig.model_runner='v1'"):
+        client_mod.EngineClient.create(EngineConfig(model_path="/x", num_speculative_tokens=1))
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -30,9 +30,21 @@ class FakeLink:
         return {"sync/main_seconds": 0.5, "sync/main_bytes": 100.0, "sync/draft_seconds": 0.25, "sync/draft_bytes": 20.0}
 
 
-def _step(colocate: bool, sync_twice: bool = False):
+class FakePolicy:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def release_device_memory(self):
+        self.calls.append(("policy_release",))
+
+    def reclaim_device_memory(self):
+        self.calls.append(("policy_reclaim",))
+
+
+def _step(colocate: bool, sync_twice: bool = False, policy: bool = False):
     calls: list = []
-    step = StepSync(FakeLink(calls), FakeEngines(calls), colocate=colocate)
+    step = StepSync(FakeLink(calls), FakeEngines(calls), colocate=colocate,
+                    policy=FakePolicy(calls) if policy else None)
     step.release_engines()
     step.release_engines()   # idempotent: already asleep
     stats = step.sync()
@@ -46,6 +58,15 @@ def test_colocated_order():
     assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("push",), ("wake_up", ("kv_cache",)),
                      ("reset_prefix_cache",)]
     assert stats["sync/bytes"] == 120.0 and stats["sync/main_bytes"] == 100.0 and stats["sync/seconds"] >= 0
+
+
+def test_colocated_policy_takes_its_memory_back_after_the_sleep_and_hands_it_over_before_the_wake():
+    calls, _ = _step(True, policy=True)
+    assert calls == [("sleep", 2), ("policy_reclaim",),                 # then the policy trains
+                     ("policy_release",), ("wake_up", ("weights",)), ("push",), ("wake_up", ("kv_cache",)),
+                     ("reset_prefix_cache",)]
+    calls, _ = _step(False, policy=True)
+    assert calls == [("push",), ("reset_prefix_cache",)]                # separate pools: nothing to hand over
 
 
 def test_separate_pools_never_sleep():

@@ -1,0 +1,173 @@
+"""The GPU memory plan against hand calculations: the tiny model and MiMo-7B (the headline recipe), every part per
+GPU; the phases and what the engines are given; a config that does not fit is refused naming settings that do; and
+`--cfg plan` prints it. The arithmetic below is done by hand from each architecture, not by the plan's functions."""
+
+from __future__ import annotations
+
+import pytest
+from model_configs import MIMO_7B, QWEN3_5_9B, write_config
+
+from skyrl_mtp.config import ConfigError, compose_config, validate_config
+from skyrl_mtp.config.memory_plan import GIB, MIB, memory_plan, model_shape
+
+GPU = ["trainer.placement.gpus_per_engine=1", "trainer.placement.gpus_per_policy_worker=1"]
+
+
+@pytest.fixture()
+def mimo7b(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "1+1"}]}\n')
+    return ["recipe=mimo7b_dapo", f"model.path={write_config(tmp_path / 'mimo7b', MIMO_7B)}",
+            f"data.train_files=[{rows}]"]
+
+
+def test_mimo7b_sizes_by_hand(mimo7b):
+    cfg = compose_config(mimo7b)
+    s = model_shape(cfg, MIMO_7B)
+    # per layer: q, o 4096 x 4096; k, v 1024 x 4096; qkv bias 4096 + 2 x 1024; gate, up, down 4096 x 11008
+    block = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 6144 + 3 * 4096 * 11008
+    assert block == 177_215_488
+    assert s.params_sharded == 36 * block + 2 * 151680 * 4096 == 7_622_320_128      # + embedding, LM head
+    assert s.params_replicated == 36 * 2 * 4096 + 4096                               # two norms a layer, final norm
+    assert s.mtp_params_sharded == block + 4096 * 8192 and s.mtp_params_replicated == 5 * 4096
+    assert s.params == 7_833_409_536                                                 # "MiMo-7B": 7.8B with its MTP layer
+    assert s.largest_tensor == 151680 * 4096
+
+
+def test_mimo7b_plan_per_gpu_by_hand(mimo7b):
+    cfg = compose_config(mimo7b)        # TP 2 x DP 4, bf16, micro-batch 2, recompute, k = 3, 12 GiB KV cache
+    plan = memory_plan(cfg, MIMO_7B, transformer_engine=True)
+    p, e = plan.policy, plan.engine
+    params = (7_622_320_128 // 2 + 299_008) + (210_769_920 // 2 + 20_480)   # trunk and head shards of one TP rank
+    assert params == 3_916_864_512
+    assert (p.weights, p.grads, p.optimizer) == (2 * params, 4 * params, 12 * params // 4)
+    tokens = 2 * 10240                   # 2 rows of min(max_model_len 10240, prompt 2048 + response 8192)
+    # a layer saves per token: norms 4 x 4096, MLP 3 x 11008 / 2, q k v out (2 x 32 + 2 x 8) x 128 / 2 (flash)
+    layer = (4 * 4096 + 3 * 11008 // 2 + (64 + 16) * 128 // 2) * tokens * 2
+    assert layer == 1_557_135_360
+    assert p.activations_no_recompute == 37 * layer                 # 36 layers + the MTP layer of the forward
+    assert p.activations_recompute == 37 * tokens * 4096 * 2 + layer   # every layer's input + one re-run layer
+    assert p.activations == p.activations_recompute                 # the recipe recomputes
+    assert p.logits == tokens * 75840 * (2 + 4 + 2)                 # bf16 logits, fp32 CE copy, bf16 grad
+    # draft loss: teacher rows of the 2 x 8192 response tokens, a 2048-token chunk (fp32 x 4), 3 replayed depths
+    assert p.draft_loss == 16384 * 75840 * 2 + 2048 * 75840 * 16 + 3 * layer
+    assert e.weights == (7_622_320_128 + 299_008) * 2 and e.drafter == (210_769_920 + 20_480) * 2
+    assert e.kv_cache == 12288 * MIB
+    assert e.kv_tokens == 12288 * MIB // (2 * 37 * 8 * 128 * 2) == 85_019   # K and V, 36 layers + the drafter's
+    assert e.activations == 16384 * (4 * 4096 + 3 * 11008) * 2 + 256 * 4 * 151680 * 4 * 2
+    awake = e.weights + e.drafter + e.kv_cache + e.activations + 2 * GIB    # + CUDA graphs, engine overhead
+    assert e.awake == awake == 33_560_768_512
+    assert plan.gpu_memory_utilization == 0.42                       # ceil(33.56 / 80, 2 places)
+    resident = p.weights + p.grads + p.optimizer + int(1.5 * GIB)
+    assert plan.phases == {
+        "rollout (engines awake)": resident + awake,
+        "weight sync": resident + e.weights + e.drafter + 2 * GIB + 151680 * 4096 * 2 + 2 * 151680 * 4096 * 2,
+        "training (engines asleep)": resident + max(p.activations + p.logits, p.logits + p.draft_loss) + 2 * GIB}
+    assert plan.phases["rollout (engines awake)"] == 70_423_161_856 < plan.usable == 76_000_000_000
+    assert plan.phases["training (engines asleep)"] == 61_077_158_912
+    assert plan.ipc_buffer == 151680 * 4096 * 2                      # the embedding, not vLLM's 1 GiB default
+    assert not plan.offload_while_engines_awake and not plan.problems
+    # vLLM's start-up check: policy weights, grads and fp32 master shard already there, and the engine's context
+    assert plan.free_at_engine_start == 80_000_000_000 - (p.weights + p.grads + 4 * params // 4 + int(1.5 * GIB) + GIB)
+    assert plan.gpu_memory_utilization * 80e9 < plan.free_at_engine_start
+
+
+def test_the_attention_that_runs_is_the_one_counted(mimo7b):
+    cfg = compose_config([*mimo7b, "megatron.recompute_activations=false"])
+    flash, local = (memory_plan(cfg, MIMO_7B, transformer_engine=te, suggest=False).policy for te in (True, False))
+    tokens = 2 * 10240
+    # the local spec repeats k, v to every head (4 x 32 x 128 / 2 per token) and keeps the [S, S] softmax in fp32 and
+    # its bf16 copy for each of the 16 heads of a TP rank: 2 x 16 x 10240^2 x 6 bytes = 20.1 GB a layer
+    scores = 2 * 16 * 10240 * 10240 * 6
+    per_layer = (4 * 4096 + 3 * 11008 // 2 + 4 * 32 * 128 // 2) * tokens * 2 + scores
+    assert local.activations_no_recompute == 37 * per_layer
+    assert flash.activations_no_recompute < local.activations_no_recompute / 10
+
+
+def test_tiny_plan_by_hand():
+    cfg = compose_config(["recipe=tiny_dapo", *GPU, "trainer.placement.colocate=true"])
+    from skyrl_mtp.config.memory_plan import run_hf_config
+
+    plan = memory_plan(cfg, run_hf_config(cfg), transformer_engine=False)
+    p = plan.policy
+    params = (2 * 147_712 + 2 * 512 * 128 + 640) + (147_712 + 2 * 128 * 128 + 640)   # fp32, TP 1: whole model
+    assert params == 608_256                          # the tiny checkpoint's tensors, counted by numel
+    assert (p.weights, p.grads, p.optimizer) == (4 * params, 4 * params, 8 * params)   # fp32: params are the master
+    tokens = 32 * 96                                  # micro-batch 32 of min(256, 64 + 32) tokens
+    layer = (4 * 128 + 3 * 256 + 4 * 4 * 32) * tokens * 4 + 32 * 4 * 96 * 96 * 6   # local attention, fp32
+    assert p.activations == p.activations_no_recompute == 3 * layer   # 2 layers + the MTP layer
+    assert p.logits == tokens * 512 * 12
+    assert p.draft_loss == 1024 * 512 * 4 + 1024 * 512 * 16 + 2 * layer   # 32 x 32 response tokens, 2 depths
+    assert plan.ipc_buffer == GIB and not plan.problems
+
+
+def test_a_config_that_does_not_fit_is_refused_naming_settings_that_do(mimo7b):
+    cfg = compose_config([*mimo7b, "megatron.recompute_activations=false"])
+    validate_config(cfg, check_memory=False)
+    plan = memory_plan(cfg, MIMO_7B, transformer_engine=True)
+    (msg,) = plan.problems
+    # 36.86 GB resident + 57.61 activations + 12.43 logits + 2.15 sleeping engine = 109.05 GB
+    assert plan.phases["training (engines asleep)"] == 36_862_393_344 + 37 * 1_557_135_360 + 12_425_625_600 + 2 * GIB
+    assert msg.startswith("megatron.recompute_activations=False is invalid: a training step needs 109.0 GB per GPU")
+    assert "of the 76.0 GB usable of trainer.placement.gpu_memory_gb=80.0" in msg
+    assert "settings that fit: megatron.recompute_activations=true needs 61.1 GB" in msg
+    small = memory_plan(compose_config([*mimo7b, "trainer.placement.gpu_memory_gb=40"]), MIMO_7B,
+                        transformer_engine=True)
+    assert any(m.startswith("generator.kv_cache_memory_mb=12288 is invalid: the engines need") for m in small.problems)
+
+
+def test_validation_refuses_it_before_anything_starts(mimo7b, monkeypatch):
+    from skyrl_mtp.models.families import megatron_common
+
+    monkeypatch.setattr(megatron_common, "transformer_engine_installed", lambda: True)
+    validate_config(compose_config(mimo7b))                                    # the recipe fits
+    with pytest.raises(ConfigError, match=r"megatron.micro_batch_size=8 is invalid: a training step needs"):
+        validate_config(compose_config([*mimo7b, "megatron.micro_batch_size=8"]))
+    with pytest.raises(ConfigError, match=r"generator.kv_cache_memory_mb=1 is invalid: the KV cache holds 6 tokens"):
+        validate_config(compose_config([*mimo7b, "generator.kv_cache_memory_mb=1"]))
+    with pytest.raises(ConfigError, match=r"generator.engine_kwargs.gpu_memory_utilization=0.92 is invalid: vLLM "
+                                          r"starts only if that share of the GPU is free"):
+        validate_config(compose_config([*mimo7b, "+generator.engine_kwargs.gpu_memory_utilization=0.92"]))
+
+
+def test_qwen3_5_needs_the_grads_and_optimizer_out_of_the_way_of_its_engines(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "1+1"}]}\n')
+    cfg = compose_config(["recipe=qwen3_5_9b_dapo", f"model.path={write_config(tmp_path / 'q', QWEN3_5_9B)}",
+                          f"data.train_files=[{rows}]"])
+    plan = memory_plan(cfg, QWEN3_5_9B, transformer_engine=True)
+    p, e = plan.policy, plan.engine
+    assert p.resident + e.awake > plan.usable                # both resident: does not fit
+    assert plan.offload_while_engines_awake and not plan.problems
+    assert plan.phases["rollout (engines awake)"] == p.weights + int(1.5 * GIB) + e.awake
+    assert model_shape(cfg, QWEN3_5_9B).attention_layers == 8   # KV cache for the full-attention layers only
+
+
+def test_the_engines_get_the_plans_utilization_and_the_policy_its_decisions(mimo7b, monkeypatch):
+    from skyrl_mtp.models.families import megatron_common
+    from skyrl_mtp.trainer.run_plan import engine_config, policy_worker_config
+
+    monkeypatch.setattr(megatron_common, "transformer_engine_installed", lambda: True)
+    cfg = compose_config(mimo7b)
+    path = cfg.model.path
+    assert engine_config(cfg, path).engine_kwargs["gpu_memory_utilization"] == 0.42
+    worker = policy_worker_config(cfg)
+    assert worker.transformer_engine is True and worker.offload_while_engines_awake is False
+    assert worker.recompute_activations is True
+    user = compose_config([*mimo7b, "+generator.engine_kwargs.gpu_memory_utilization=0.5"])
+    assert engine_config(user, path).engine_kwargs["gpu_memory_utilization"] == 0.5   # the user's value wins
+    cpu = compose_config(["recipe=tiny_dapo"])
+    assert "gpu_memory_utilization" not in engine_config(cpu, "/nowhere").engine_kwargs   # CPU engines: untouched
+    assert policy_worker_config(cpu).transformer_engine is None
+
+
+def test_cfg_plan_prints_the_plan(mimo7b, capsys):
+    from skyrl_mtp.main import main
+
+    assert main([*mimo7b, "--cfg", "plan"]) == 2        # no Transformer Engine here: local attention does not fit
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan per GPU (gpu; 80.0 GB declared, 76.0 GB usable; colocated")
+    assert "attention: local (materialised scores)" in out and "DOES NOT FIT" in out
+    assert "megatron.tp=4 megatron.dp=2 needs" in out
+    assert main(["recipe=tiny_dapo", "--cfg", "plan"]) == 0
+    assert "not enforced on CPU" in capsys.readouterr().out
