@@ -40,7 +40,7 @@ def test_engine_kwargs_cannot_override_managed_keys():
     with pytest.raises(ValueError, match=r"engine_kwargs.*\['seed'\].*set by EngineConfig"):
         EngineConfig(model_path="/x", engine_kwargs={"seed": 3, "block_size": 16})
     cfg = EngineConfig(model_path="/x", engine_kwargs={"block_size": 16})
-    merged = {**cfg.managed_engine_kwargs("m.C"), **cfg.engine_kwargs}
+    merged = {**cfg.engine_kwargs, **cfg.managed_engine_kwargs("m.C")}
     assert merged["block_size"] == 16 and merged["worker_extension_cls"] == "m.C"
     assert set(cfg.managed_engine_kwargs("m.C")) == set(MANAGED_ENGINE_KWARGS)
     with pytest.raises(ValueError, match=r"\['no_such_arg'\] are not vLLM engine arguments"):
@@ -62,14 +62,15 @@ def test_mtp_requested_on_checkpoint_without_mtp_layers(tmp_path):
         check_checkpoint(EngineConfig(model_path=str(tmp_path / "missing")))
 
 
-def test_engine_environment_sets_sampling_fix_and_replay_memo():
+def test_engine_environment_sets_the_sampling_fixes_and_nothing_else():
     assert engine_environment(EngineConfig(model_path="/x", cpu_sampling_fix=False)) == {
         "SKYRL_MTP_CPU_SAMPLING_FIX": "0", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1"}
     assert engine_environment(EngineConfig(model_path="/x", draft_invariant_sampling=False)) == {
         "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "0"}
-    # an engine that drafts asks the vLLM plugin for the memo of replay boundaries (kv_replay_cache)
-    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2)) == {
-        "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1", "SKYRL_MTP_KV_REPLAY_CACHE": "1"}
+    # auto k's settings travel in vLLM's config, not in the environment (speculation/settings.py)
+    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2, adaptive_speculation=True,
+                                           explore_budget=0.05, policy_trace_dir="/t")) == {
+        "SKYRL_MTP_CPU_SAMPLING_FIX": "1", "SKYRL_MTP_DRAFT_INVARIANT_SAMPLING": "1"}
 
 
 @pytest.mark.parametrize("kwargs,match", [
