@@ -76,13 +76,14 @@ class AdaptiveSpeculationScheduler(Scheduler):
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        index, sampled = model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids
-        drafts, accepted = [], []
-        for rid, tokens in scheduler_output.scheduled_spec_decode_tokens.items():
-            i = index.get(rid)
-            if tokens and i is not None and i < len(sampled):
-                drafts.append(len(tokens))
-                accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
+        spec, drafts, accepted = scheduler_output.scheduled_spec_decode_tokens, [], []
+        if spec:
+            index, sampled = model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids
+            for rid, tokens in spec.items():
+                i = index.get(rid)
+                if tokens and i is not None and i < len(sampled):
+                    drafts.append(len(tokens))
+                    accepted.append(max(0, min(len(sampled[i]) - 1, len(tokens))))
         if drafts:
             batch = len(scheduler_output.num_scheduled_tokens)
             self.speculation.observe_verified(batch, drafts, accepted)
