@@ -10,8 +10,8 @@ at every batch size in turn (--batches; max_num_seqs is the largest) they are ti
 rollout each per round, the order rotated every round. k = "auto" is adaptive speculation
 (speculation/policy.py: k per engine step from the running batch, live acceptance and
 on-engine timings, up to --auto-max); its row carries the mean k it chose (`k_mean`), measured once the
-engine's first calibration cycles are done (an RL run pays them once per engine: the warm-up repeats
-until they are). Every row says whether its tokens equal its head's no-spec engine's
+engine has timed the batch's bucket at every k (an RL run pays that once per engine: the warm-up repeats
+until it has). Every row says whether its tokens equal its head's no-spec engine's
 (`identical_to_no_spec`, greedy: must be true). Generation ignores EOS so every configuration emits the
 same number of tokens. Each engine's `tokens_per_s` is from its fastest rollout, and `speedup_vs_no_spec`
 is the ratio of the two fastest rollouts (this engine's and its head's no-spec engine's, from the same
@@ -21,10 +21,6 @@ what the engine costs (engines timed one after another differed by up to 25% at 
 `speedup_per_rep` keeps the ratio of every round, to show the spread, and `speedup_median_of_rounds` is
 their median (a second reading of the same rounds: where a few short rollouts decide the fastest, as at
 batch 1, the two can differ by more than the effects measured; more --reps narrows both).
-`runner_ms_per_step` is where the engine's steps spent their time inside vLLM's model runner over the
-timed rounds (runner_phase_timer: ms per step of input preparation, model forward, sampling, drafting,
-bookkeeping), so a difference between two engines that drafted the same tokens can be traced to a phase
-rather than to the machine.
 
 Predicted speedup = (1 + sum_i acceptance_pos_i) / (1 + k * c): tokens per target step over the cost
 of one step (verify ~ one target forward, plus k draft forwards). c, the cost of one draft forward
@@ -89,7 +85,6 @@ def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
         llm = LLM(**llm_kwargs)
         if adaptive:
             llm.collective_rpc("skyrl_install_adaptive_speculation")
-        llm.collective_rpc("skyrl_install_phase_timer")   # after the adaptive hook: it times the hook too
     except Exception:
         conn.send((False, traceback.format_exc()))
         return
@@ -100,9 +95,34 @@ def _serve(conn, llm_kwargs: dict, adaptive: bool, cache: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
-    calls = {"generate": generate, "counters": lambda: counters_from_vllm_metrics(llm.get_metrics()), "worker_spin_seconds": worker_spin_seconds,
-             "adaptive_stats": lambda: llm.collective_rpc("skyrl_adaptive_speculation_stats")[0],
-             "phase_times": lambda: llm.collective_rpc("skyrl_phase_times")[0]}
+    request_ids = iter(range(1 << 62))
+
+    def stepped(prompts, samplings):
+        """One rollout with a SamplingParams per request, stepped by hand: its wall time, each engine step's
+        (requests running, seconds to its output), and each request's tokens."""
+        engine, ids = llm.llm_engine, []
+        for prompt, sampling in zip(prompts, samplings):
+            ids.append(str(next(request_ids)))
+            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, SamplingParams(**sampling))
+        steps, tokens = [], {}
+        t0 = last = time.perf_counter()
+        while engine.has_unfinished_requests():
+            running = engine.get_num_unfinished_requests()
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            now = time.perf_counter()
+            steps.append((running, now - last))
+            last = now
+        return last - t0, steps, [tokens[i] for i in ids]
+
+    def policy_stats():
+        from skyrl_mtp.speculation.scheduler_hook import STATS_UTILITY
+
+        return llm.llm_engine.engine_core.call_utility(STATS_UTILITY)
+
+    calls = {"generate": generate, "stepped": stepped, "counters": lambda: counters_from_vllm_metrics(llm.get_metrics()),
+             "worker_spin_seconds": worker_spin_seconds, "adaptive_stats": policy_stats}
     while True:
         method, args = conn.recv()
         if method == "stop":
@@ -159,17 +179,15 @@ class EngineProcess:
 
 
 def warm_up(engine: EngineProcess, prompts, sampling: dict) -> None:
-    """Run the measured batch until its kernel shapes are warm and (auto) the policy's first calibration
-    cycles are done: an RL run pays them once per engine, not per rollout."""
-    engine.call("generate", prompts, sampling)
-    if engine.adaptive:
-        from skyrl_mtp.speculation.policy import SpeculationPolicy
+    """Run the measured batch until its kernel shapes are warm and (auto) the policy has timed the batch's
+    bucket at every k: an RL run pays that once per engine, not per rollout."""
+    from skyrl_mtp.speculation.policy import bucket, bucket_label
 
-        warmup_steps = SpeculationPolicy(k_max=len(engine.call("adaptive_stats")["k_histogram"]) - 1).warmup_steps
-        for _ in range(16):
-            if engine.call("adaptive_stats")["steps"] >= warmup_steps:
-                break
-            engine.call("generate", prompts, sampling)
+    engine.call("generate", prompts, sampling)
+    for _ in range(16 if engine.adaptive else 0):
+        if None not in engine.call("adaptive_stats")["bucket_cost_ratio"].get(bucket_label(bucket(len(prompts))), [None]):
+            break
+        engine.call("generate", prompts, sampling)
 
 
 def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settle_s: float) -> dict:
@@ -181,14 +199,11 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
     core, and after its last step it keeps spinning on its message queue for a while (worker_spin_seconds):
     each rollout, the warm-ups included (the auto engine calibrates its cost model there), waits `settle_s`
     so that it never shares the core with the previous engine's spinning worker."""
-    from skyrl_mtp.rollout.runner_phase_timer import ms_per_step
-
     keys = list(engines)
     for engine in engines.values():
         time.sleep(settle_s)
         warm_up(engine, prompts, sampling)
-    before = {key: (e.call("counters"), e.call("adaptive_stats") if e.adaptive else None, e.call("phase_times"))
-              for key, e in engines.items()}
+    before = {key: (e.call("counters"), e.call("adaptive_stats") if e.adaptive else None) for key, e in engines.items()}
     times: dict = {key: [] for key in keys}
     tokens: dict = {}
     for rep in range(reps):
@@ -198,7 +213,7 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
             times[key].append(dt)
     result = {}
     for key, engine in engines.items():
-        c0, st0, ph0 = before[key]
+        c0, st0 = before[key]
         delta = engine.call("counters") - c0
         st1 = engine.call("adaptive_stats") if engine.adaptive else None
         drafts, per_pos = delta.num_drafts, delta.accepted_per_pos
@@ -209,7 +224,6 @@ def measure_interleaved(engines: dict, prompts, sampling: dict, reps: int, settl
             "mean_acceptance_length": 1 + delta.num_accepted_tokens / drafts if drafts else None,
             "per_pos": [x / drafts for x in per_pos] if drafts else [],
             "token_ids": tokens[key],
-            "runner_ms_per_step": ms_per_step(ph0, engine.call("phase_times")),
             "k_mean": ((st1["k_sum"] - st0["k_sum"]) / (st1["steps"] - st0["steps"])
                        if st1 and st1["steps"] > st0["steps"] else None),
         }
@@ -264,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
     from skyrl_mtp.rollout.config import EngineConfig
     from skyrl_mtp.rollout.engine import WORKER_EXTENSION_CLS
-    from skyrl_mtp.rollout.runner_phase_timer import PHASES
 
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate, vocab=a.vocab, mtp_layers=1, seed=0)
@@ -290,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             for k in [0, *a.ks]:
                 eng_cfg = EngineConfig(model_path=path, num_speculative_tokens=a.auto_max if k == "auto" else k,
                                        max_num_seqs=max(a.batches), adaptive_speculation=k == "auto")
-                sched = {"scheduler_cls": eng_cfg.adaptive_scheduler_cls, "async_scheduling": False} if k == "auto" else {}
+                managed = eng_cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS)
+                sched = {key: managed[key] for key in ("scheduler_cls", "async_scheduling", "additional_config")
+                         } if k == "auto" else {}
                 engines[k] = EngineProcess({**base, "model": path, **sched, "speculative_config": eng_cfg.speculative_config},
                                            adaptive=k == "auto", cache=cache)
             settle_s = engines[0].call("worker_spin_seconds") + 0.25   # one vLLM install: the same for all
@@ -310,7 +325,6 @@ def main(argv: list[str] | None = None) -> int:
                                  "speedup_vs_no_spec": speedup,
                                  "speedup_per_rep": per_rep, "speedup_median_of_rounds": statistics.median(per_rep),
                                  "predicted_speedup": predicted,
-                                 "runner_ms_per_step": r["runner_ms_per_step"],
                                  "identical_to_no_spec": r["token_ids"] == ref["token_ids"]})
                     print(f"k={k} head={head} batch={batch}: {r['tokens_per_s']:.1f} tok/s, "
                           f"speedup {speedup:.2f}x", flush=True)
@@ -333,12 +347,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{min(row['speedup_per_rep']):>7.2f}-{max(row['speedup_per_rep']):.2f}x "
               f"{row['speedup_median_of_rounds']:>5.2f}x "
               f"{fmt(row['predicted_speedup'], '.2f'):>8}x {str(row['identical_to_no_spec']):>5}")
-    print("\nms per engine step inside vLLM's model runner (execute_model holds prepare and forward; "
-          "sample_tokens holds sample, draft and bookkeeping)")
-    print(f"{'head':>7} {'k':>5} {'batch':>5} " + " ".join(f"{p.strip('_')[:12]:>12}" for p in PHASES))
-    for row in rows:
-        ms = row["runner_ms_per_step"]
-        print(f"{str(row['head']):>7} {str(row['k']):>5} {row['batch']:>5} " + " ".join(f"{ms[p]:>12.3f}" for p in PHASES))
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0

@@ -1,66 +1,50 @@
-"""What auto k's policy costs per engine step (its own CPU, and its choices' regret against the best k), on replayed rollouts.
+"""What auto k's policy chooses against the best k, on replayed rollouts of a modelled engine (no vLLM).
 
 Under trainer.mtp.num_speculative_tokens=auto the engine core's scheduler asks the speculation policy
-(speculation/policy.py) for k before every step and feeds it the step's timing and, after a
-drafting step, what was accepted. That Python work runs on the engine core's critical path, so on a small
-model it is part of what auto costs against no speculation (README: step_time's breakdown). This replays
-rollouts through the real SpeculationPolicy, without vLLM, and times exactly those calls:
+(speculation/policy.py) for k before every step and feeds it the step's time and what was accepted. This
+replays RL-like rollouts through the real SpeculationPolicy with a modelled step time in place of the
+engine:
 
 - a rollout of `--requests` requests whose lengths are drawn uniformly from [20, 100] tokens: the batch
-  starts full and drains as requests finish (the tail, where the batch size changes every few steps and
-  each new size needs the cost model's predictions);
-- a modelled engine step time (fixed cost, per token verified, per draft step; noise) fed back as the
-  timing, and drafts accepted per position at `acceptance` (0: an untrained head, where auto stays at k=0;
-  0.95: where it drafts k_max);
-- the weights change between rollouts (on_new_weights), as they do between RL steps.
+  starts full and drains as requests finish, through every bucket down to one request;
+- step time (`step_cost`): a fixed part, a part per token verified and a part per draft step, shaped like
+  the hidden-512 model on CPU (drafting pays at small batches, not at 64), times log-normal noise;
+- drafts accepted per position at `acceptance` (0: an untrained head; 0.95: a good one); the weights change
+  between rollouts (on_new_weights), as between RL steps.
 
-Prints a table and writes JSON: per acceptance and exploration budget (`--explore-budget`, as
-`trainer.mtp.explore_budget`), `us_per_step` (median over seeds of the policy's time per engine step),
-`share_of_step` (that over the modelled step time), `k_mean`, `k_histogram`, and what the choices cost
-against the best k for the modelled steps (`best_k_share`: the share of steps that ran it;
-`explore_regret_share` and `choice_regret_share`: the modelled time of the steps that explored, and of
-those the policy chose, beyond what the best k takes for the tokens they emitted, over all the time). The
-warm-up's cycles are left out of the regrets: every engine pays them once, whatever the budget.
-
-`--head-improves-at R`: the head is untrained (acceptance 0) for the first R rollouts and accepted at
-`--acceptance` from then on, as when training makes it pay; `rollouts_to_follow_per_seed` counts the
-rollouts from R until one ran the best k on at least half its steps (None: not within `--rollouts`). That
-is what the exploration budget buys.
+Per acceptance and exploration budget (`--explore-budget`, as trainer.mtp.explore_budget) it reports
+`k_mean`, `k_histogram`, `best_k_share` (steps that ran the best k of the model), `explore_regret_share` and
+`choice_regret_share` (the modelled time the explored steps, and those the policy chose, took beyond what
+the best k takes for the tokens they emitted, over all the time; each engine's first timing of its buckets
+is left out, every engine pays it once), `us_per_step` and `share_of_step` (the policy's own time per step,
+and over the modelled step). `--head-improves-at R`: the head is untrained before rollout R and accepted at
+`--acceptance` from then on; `rollouts_to_follow_per_seed` counts the rollouts from R until one ran the best
+k on half its steps (None: not within `--rollouts`): what the exploration budget buys.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import time
 from pathlib import Path
 
-from skyrl_mtp.speculation.policy import SpeculationPolicy
+from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET
+from skyrl_mtp.speculation.policy import SpeculationPolicy, expected_tokens
 
 
 def step_cost(batch: int, k: int) -> float:
-    """A small model's engine step on CPU: ~2 ms fixed, 90 us per token verified (40% more per draft
-    position), 3 ms for running the drafter at all (step_seconds adds up to 0.4 ms of noise)."""
-    return 0.002 + 0.00009 * batch * (1 + 0.4 * k) + 0.003 * (k > 0)
-
-
-def step_seconds(batch: int, k: int, rng: random.Random) -> float:
-    return step_cost(batch, k) + 0.0004 * rng.random()
+    """Seconds of a steady step: 1 ms, the target's forward (8 ms while reading the weights bounds it, then 0.4
+    ms per token verified), and when drafting 2 ms, 1 ms per draft step and 0.05 ms per request and draft step
+    (oracle-head speedups of k = 1 / 2 / 3: 1.5 / 2.0 / 2.5x at one request, 1.0-1.06x at 16, 0.9x at 64)."""
+    return 0.001 + max(0.008, 0.0004 * batch * (1 + k)) + (0.002 + 0.001 * k + 0.00005 * batch * k if k else 0.0)
 
 
 def best_k(batch: int, acceptance: float, k_max: int) -> int:
-    """The k with the most tokens per second of modelled time at this batch (every position accepted at
-    `acceptance`)."""
-    return max(range(k_max + 1), key=lambda k: sum(acceptance ** i for i in range(k + 1)) / step_cost(batch, k))
-
-
-def regret(batch: int, k: int, accepted: list[int], acceptance: float, best: int) -> float:
-    """Modelled time of a step at k beyond what the best k (best_k) takes for the tokens it emitted."""
-    per_token = step_cost(batch, best) / sum(acceptance ** i for i in range(best + 1))
-    tokens = 1.0 + (sum(accepted) / batch if accepted else 0.0)
-    return step_cost(batch, k) - per_token * tokens
+    return max(range(k_max + 1), key=lambda k: expected_tokens([acceptance] * k_max, k) / step_cost(batch, k))
 
 
 def drain(requests: int, rng: random.Random) -> list[int]:
@@ -68,56 +52,57 @@ def drain(requests: int, rng: random.Random) -> list[int]:
     return [sum(1 for n in lengths if n > t) for t in range(lengths[-1])]
 
 
-def replay(seed: int, rollouts: int, requests: int, final_acceptance: float, k_max: int, explore_budget: float,
+def replay(seed: int, rollouts: int, requests: int, final_acceptance: float, k_max: int, budget: float,
            improves_at: int = 0) -> dict:
     rng = random.Random(seed)
-    policy = SpeculationPolicy(k_max=k_max, max_batch=requests, explore_budget=explore_budget)   # as an engine's max_num_seqs
-    spent = modelled = explore_regret = choice_regret = after_warmup = 0.0
+    policy = SpeculationPolicy(k_max, budget)
+    spent = total = explore_regret = choice_regret = counted = 0.0
     steps = at_best = 0
     follows_after = None
     for rollout in range(rollouts):
         policy.on_new_weights()
         acceptance = final_acceptance if rollout >= improves_at else 0.0
-        rollout_steps = rollout_at_best = 0
+        in_rollout = at_best_in_rollout = 0
         for batch in drain(requests, rng):
-            accepted = []
+            t0 = time.perf_counter()
+            calibrating = any(c.last_timed[k] < 0 for c in [policy.costs(batch)] for k in range(k_max + 1))
             explored = policy.explored_steps
-            t0 = time.perf_counter()
             k = policy.choose(batch, True)
-            spent += time.perf_counter() - t0
             explored = policy.explored_steps > explored
-            if k:
-                for _ in range(batch):   # accepted drafts are a prefix
-                    n = 0
-                    while n < k and rng.random() < acceptance:
-                        n += 1
-                    accepted.append(n)
-            seconds = step_seconds(batch, k, rng)
-            t0 = time.perf_counter()
-            if k:
-                policy.acceptance.observe([k] * batch, accepted)
-                policy.credit_verified(batch, [k] * batch, accepted)
-            policy.cost.observe(batch * (1 + k), batch, k, seconds)
             spent += time.perf_counter() - t0
-            modelled += seconds
-            steps += 1
+            accepted = []
+            for _ in range(batch if k else 0):   # accepted drafts are a prefix
+                n = 0
+                while n < k and rng.random() < acceptance:
+                    n += 1
+                accepted.append(n)
+            seconds = step_cost(batch, k) * math.exp(rng.gauss(0.0, 0.05))
+            t0 = time.perf_counter()
+            policy.step_seconds(seconds)
+            if k:
+                policy.observe_verified(batch, [k] * batch, accepted)
+            spent += time.perf_counter() - t0
             best = best_k(batch, acceptance, k_max)
+            total += seconds
+            steps += 1
+            in_rollout += 1
             at_best += k == best
-            rollout_steps += 1
-            rollout_at_best += k == best
-            if policy.steps > policy.warmup_steps:
-                after_warmup += step_cost(batch, k)
-                r = regret(batch, k, accepted, acceptance, best)
+            at_best_in_rollout += k == best
+            if not calibrating:
+                per_token = step_cost(batch, best) / expected_tokens([acceptance] * k_max, best)
+                regret = step_cost(batch, k) - per_token * (1.0 + (sum(accepted) / batch if k else 0.0))
+                counted += step_cost(batch, k)
                 if explored:
-                    explore_regret += r
+                    explore_regret += regret
                 else:
-                    choice_regret += r
-        if follows_after is None and rollout >= improves_at and rollout_at_best >= 0.5 * rollout_steps:
+                    choice_regret += regret
+        if follows_after is None and rollout >= improves_at and at_best_in_rollout >= 0.5 * in_rollout:
             follows_after = rollout - improves_at
-    return {"rollouts_to_follow": follows_after, "us_per_step": spent / steps * 1e6, "share_of_step": spent / modelled,
-            "k_mean": policy.chosen_sum / policy.chosen_count, "k_histogram": list(policy.histogram),
-            "steps": steps, "best_k_share": at_best / steps, "explored_share": policy.explored_steps / steps,
-            "explore_regret_share": explore_regret / after_warmup, "choice_regret_share": choice_regret / after_warmup}
+    stats = policy.stats()
+    return {"rollouts_to_follow": follows_after, "us_per_step": spent / steps * 1e6, "share_of_step": spent / total,
+            "k_mean": stats["k_sum"] / steps, "k_histogram": stats["k_histogram"], "steps": steps,
+            "best_k_share": at_best / steps, "explored_share": stats["explored_steps"] / steps,
+            "explore_regret_share": explore_regret / counted, "choice_regret_share": choice_regret / counted}
 
 
 def main() -> None:
@@ -127,11 +112,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--k-max", type=int, default=3)
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.6, 0.95])
-    ap.add_argument("--explore-budget", type=float, nargs="+", default=[SpeculationPolicy.explore_budget],
+    ap.add_argument("--explore-budget", type=float, nargs="+", default=[DEFAULT_EXPLORE_BUDGET],
                     help="exploration budgets to replay (trainer.mtp.explore_budget)")
     ap.add_argument("--head-improves-at", type=int, default=0, metavar="R",
-                    help="the head is untrained (acceptance 0) before rollout R, then accepted at --acceptance: "
-                         "rollouts_to_follow counts the rollouts from R until one ran the best k on half its steps")
+                    help="the head is untrained (acceptance 0) before rollout R, then accepted at --acceptance")
     ap.add_argument("--quick", action="store_true", help="a few rollouts, for the smoke test")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -143,7 +127,6 @@ def main() -> None:
                 for seed in range(args.seeds)]
         rows.append({"acceptance": acceptance, "explore_budget": budget,
                      "us_per_step": statistics.median(r["us_per_step"] for r in runs),
-                     "us_per_step_per_seed": [round(r["us_per_step"], 2) for r in runs],
                      "share_of_step": statistics.median(r["share_of_step"] for r in runs),
                      "k_mean": statistics.mean(r["k_mean"] for r in runs),
                      "k_histogram": [sum(r["k_histogram"][k] for r in runs) for k in range(args.k_max + 1)],
@@ -151,10 +134,10 @@ def main() -> None:
                      "rollouts_to_follow_per_seed": [r["rollouts_to_follow"] for r in runs],
                      **{key: statistics.mean(r[key] for r in runs)
                         for key in ("best_k_share", "explored_share", "explore_regret_share", "choice_regret_share")}})
-    print(f"{'acceptance':>10} {'budget':>7} {'us/step':>9} {'share':>7} {'k_mean':>7} {'at best':>8} {'explored':>9} "
+    print(f"{'acceptance':>10} {'budget':>7} {'us/step':>8} {'share':>7} {'k_mean':>7} {'at best':>8} {'explored':>9} "
           f"{'explore regret':>15} {'choice regret':>14}  k_histogram")
     for r in rows:
-        print(f"{r['acceptance']:>10.2f} {r['explore_budget']:>7.3f} {r['us_per_step']:>9.1f} {r['share_of_step']:>7.2%} "
+        print(f"{r['acceptance']:>10.2f} {r['explore_budget']:>7.3f} {r['us_per_step']:>8.1f} {r['share_of_step']:>7.2%} "
               f"{r['k_mean']:>7.2f} {r['best_k_share']:>8.1%} {r['explored_share']:>9.2%} "
               f"{r['explore_regret_share']:>15.2%} {r['choice_regret_share']:>14.2%}  {r['k_histogram']}")
     if args.head_improves_at:

@@ -7,10 +7,8 @@ feeds each trace to a fresh policy of the current code, `--repeats` times, and r
 - `all_k_match`: whether the replay chose the k the engine ran at every step (`first_mismatch`: the first step
   where it did not). A trace recorded before a change that should leave the choices alone checks the change on
   the engine's own traffic; a change that moves choices shows where the first one moved.
-- `choose_us_per_step` and `feed_us_per_step`: the policy's time per engine step in `choose` and in the calls
-  that feed it (timings, verified drafts, weight syncs), the fastest of the repeats, in this quiet process. In
-  the engine core, between model steps, the same calls take about 3x as long (its caches are cold there).
-- `held_share`: the steps choose's fast path answered, and `steps`.
+- `us_per_step`: the policy's time per engine step, all its calls together (choose, timings, verified drafts,
+  weight syncs, and reading the file), the fastest of the repeats, in this quiet process.
 
 `--record STEPS OUT_DIR` first runs the tiny default that many RL steps with auto k and the trace on (its run
 and traces under OUT_DIR), then replays those traces; `--quick` records two steps at a small size (the smoke
@@ -23,11 +21,12 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from step_time import QUICK_OVERRIDES, run_setup  # (benchmarks/ is this script's first path entry)
 
-from skyrl_mtp.speculation.trace import read_trace, replay
+from skyrl_mtp.speculation.trace import replay
 
 
 def record(steps: int, out: Path, overrides: list[str]) -> Path:
@@ -40,17 +39,16 @@ def record(steps: int, out: Path, overrides: list[str]) -> Path:
 
 
 def measure(path: Path, repeats: int) -> dict:
-    trace = read_trace(path)
-    runs = [replay(trace) for _ in range(repeats)]
-    first = runs[0]
-    steps = max(trace.steps, 1)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        first = replay(path)
+        seconds.append(time.perf_counter() - t0)
+    steps = max(len(first.ks), 1)
     mismatch = first.first_mismatch
-    return {"trace": str(path), "steps": trace.steps, "k_max": trace.k_max, "explore_budget": trace.explore_budget,
-            "all_k_match": mismatch is None, "first_mismatch": mismatch,
-            "held_share": first.policy.held_steps / steps,
-            "k_mean": sum(first.recorded) / steps,
-            "choose_us_per_step": min(r.choose_seconds for r in runs) / steps * 1e6,
-            "feed_us_per_step": min(r.feed_seconds for r in runs) / steps * 1e6}
+    return {"trace": str(path), "steps": len(first.ks), "k_max": first.policy.k_max,
+            "explore_budget": first.policy.explore_budget, "all_k_match": mismatch is None, "first_mismatch": mismatch,
+            "k_mean": sum(first.recorded) / steps, "us_per_step": min(seconds) / steps * 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,11 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{p}: no policy_trace.*.txt in it")
         paths += found
     rows = [measure(p, args.repeats) for p in paths]
-    print(f"{'trace':<40}{'steps':>7}{'k mean':>8}{'held':>7}{'choose us':>11}{'feed us':>9}  k as recorded")
+    print(f"{'trace':<40}{'steps':>7}{'k mean':>8}{'us/step':>9}  k as recorded")
     for r in rows:
         verdict = "every step" if r["all_k_match"] else f"NO: first differs at step {r['first_mismatch']}"
-        print(f"{Path(r['trace']).name[-40:]:<40}{r['steps']:>7}{r['k_mean']:>8.3f}{r['held_share']:>7.0%}"
-              f"{r['choose_us_per_step']:>11.1f}{r['feed_us_per_step']:>9.1f}  {verdict}")
+        print(f"{Path(r['trace']).name[-40:]:<40}{r['steps']:>7}{r['k_mean']:>8.3f}{r['us_per_step']:>9.1f}  {verdict}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=2))
     return 0 if all(r["all_k_match"] for r in rows) else 1

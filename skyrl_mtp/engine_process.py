@@ -2,7 +2,7 @@
 
 An engine actor builds vLLM, which starts its EngineCore process (and, with the multiprocessing executor,
 worker processes) by itself. Code of this project runs in those processes (the worker extension, the
-scheduler of auto k, a vLLM plugin) and needs a few of the run's settings there. They travel as one
+sampling patches) and needs a few of the run's settings there. They travel as one
 frozen `EngineProcessSettings`, serialised as JSON into one environment variable that the actor sets
 before vLLM starts: every vLLM process inherits the environment, and part of that code runs at import,
 before any vLLM config exists. Each process reads it with `current()`.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 ENV_VAR = "SKYRL_MTP_ENGINE_PROCESS"
 
@@ -22,9 +21,7 @@ ENV_VAR = "SKYRL_MTP_ENGINE_PROCESS"
 class EngineProcessSettings:
     cpu_sampling_fix: bool = True            # vllm_patches/cpu_sampling_fix.py (CPU workers)
     draft_invariant_sampling: bool = True    # vllm_patches/draft_invariant_sampling.py (CPU workers)
-    kv_replay_cache: bool = False            # vllm_patches/kv_replay_cache.py (the engine core's plugin)
     model_family: str | None = None          # the served family whose vLLM model code must be importable
-    speculation: dict[str, Any] | None = None   # auto k's settings (speculation/); None when k is fixed
 
     def to_env(self) -> dict[str, str]:
         return {ENV_VAR: json.dumps(asdict(self), sort_keys=True)}

@@ -73,9 +73,10 @@ class MTPConfig:
     # (mtp/draft_depths.py). So an idle head costs at most this share of the run, on any model.
     idle_head_train_budget: float = 0.01
     # num_speculative_tokens=auto: the share of the engines' time the choice of k may spend exploring (probes
-    # of other ks, challenges of a k that may be better, timing each new batch size at every k), charged at
-    # what each exploration is predicted to cost beyond the best k (speculation/policy.py). It is
-    # what lets the engines notice a head that got better; 0 explores only where that is predicted free.
+    # that time again a k other than a batch bucket's best), charged at what each probe is predicted to cost
+    # beyond the best k (speculation/policy.py; each bucket's first timing at every k, once per engine, is not
+    # charged). It is what lets the engines notice a head that got better; 0 explores only where that is
+    # predicted free.
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     # num_speculative_tokens=auto: a directory where every engine core writes each call its scheduler makes to
     # the policy choosing k (one file per engine process, speculation/trace.py), for an exact replay of

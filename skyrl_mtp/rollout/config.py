@@ -46,7 +46,10 @@ MANAGED_ENGINE_KWARGS = (
     "per_request_spec_decode_metrics",
     "scheduler_cls",
     "async_scheduling",
+    "additional_config",
 )
+# managed vLLM engine arguments engine_kwargs may still give: the user's entries stay, the project's join them
+MERGED_ENGINE_KWARGS = ("additional_config",)
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -69,10 +72,10 @@ class EngineConfig:
     from the running batch, live acceptance and timings measured on the engine
     (skyrl_mtp.speculation.policy), down to 0 (drafter not run).
     explore_budget: with adaptive_speculation, the share of engine time that choice may spend exploring
-    (SpeculationPolicy.explore_budget); it reaches the engine core's scheduler through the engine
-    process's environment (engine.engine_environment).
+    (SpeculationPolicy.explore_budget).
     policy_trace_dir: with adaptive_speculation, where each engine core writes the calls its scheduler makes to
-    that choice (speculation/trace.py; None: no trace).
+    that choice (speculation/trace.py; None: no trace). Both reach the engine core's scheduler inside vLLM's
+    config (`additional_config`, speculation/settings.py).
     """
 
     model_path: str
@@ -150,7 +153,11 @@ class EngineConfig:
             raise _bad("weight_transfer_backend", self.weight_transfer_backend, f"one of {BACKENDS}")
         if not isinstance(self.engine_kwargs, dict):
             raise _bad("engine_kwargs", self.engine_kwargs, "a dict of extra vLLM engine arguments")
-        clashes = sorted(set(self.engine_kwargs) & set(MANAGED_ENGINE_KWARGS))
+        extra = self.engine_kwargs.get("additional_config", {})
+        if not isinstance(extra, dict) or any(str(key).startswith("skyrl_mtp") for key in extra):
+            raise _bad("engine_kwargs", self.engine_kwargs, "an additional_config that is a dict without skyrl_mtp's "
+                       "own entries (auto k's settings come from this config's fields)")
+        clashes = sorted(set(self.engine_kwargs) & set(MANAGED_ENGINE_KWARGS) - set(MERGED_ENGINE_KWARGS))
         if clashes:
             raise _bad("engine_kwargs", self.engine_kwargs,
                        f"keys {clashes} are set by EngineConfig itself (managed keys: "
@@ -163,15 +170,16 @@ class EngineConfig:
         spec = {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
         if self.draft_sample_method != "greedy":
             spec["draft_sample_method"] = self.draft_sample_method
-        if self.adaptive_speculation:   # vLLM's dynamic-K scheduling; adaptive_scheduler.py picks K per step
-            from skyrl_mtp.speculation.policy import dynamic_schedule
+        if self.adaptive_speculation:   # vLLM's dynamic-K scheduling; speculation/scheduler_hook.py picks K per step
+            from skyrl_mtp.speculation.settings import dynamic_schedule
 
             spec["num_speculative_tokens_per_batch_size"] = dynamic_schedule(self.num_speculative_tokens,
                                                                              self.max_num_seqs)
         return spec
 
     def managed_engine_kwargs(self, worker_extension_cls: str) -> dict[str, Any]:
-        """The vLLM engine arguments this config sets (engine_kwargs come on top)."""
+        """The vLLM engine arguments this config sets; engine_kwargs come beneath (they set none of these but
+        additional_config, whose entries are merged in here)."""
         return {
             "model": self.model_path,
             "tokenizer": self.model_path,
@@ -193,13 +201,22 @@ class EngineConfig:
             # which needs vLLM's synchronous scheduling; otherwise vLLM's defaults (None)
             "scheduler_cls": self.adaptive_scheduler_cls,
             "async_scheduling": False if self.adaptive_speculation else None,
+            "additional_config": {**self.engine_kwargs.get("additional_config", {}), **self._speculation_config()},
         }
+
+    def _speculation_config(self) -> dict[str, Any]:
+        """Auto k's settings, as an entry of vLLM's additional_config (speculation/settings.py)."""
+        if not self.adaptive_speculation:
+            return {}
+        from skyrl_mtp.speculation.settings import SpeculationSettings
+
+        return SpeculationSettings(self.explore_budget, self.policy_trace_dir).additional_config()
 
     @property
     def adaptive_scheduler_cls(self) -> str | None:
         if not self.adaptive_speculation:
             return None
-        from skyrl_mtp.speculation.policy import SCHEDULER_CLS
+        from skyrl_mtp.speculation.settings import SCHEDULER_CLS
 
         return SCHEDULER_CLS
 

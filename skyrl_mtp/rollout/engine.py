@@ -22,9 +22,6 @@ from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
 from skyrl_mtp.rollout.update_session import WeightUpdateSession
-from skyrl_mtp.speculation.policy import EXPLORE_BUDGET_ENV
-from skyrl_mtp.speculation.trace import POLICY_TRACE_ENV
-from skyrl_mtp.vllm_patches import kv_replay_cache
 from skyrl_mtp.weight_sync.schema import WeightSchema, read_weight_schema
 from skyrl_mtp.weight_sync.transport import WORKER_CHECKED_BACKENDS
 
@@ -40,7 +37,7 @@ def engine_process_settings(cfg: EngineConfig, model_family: str | None = None) 
     v1 = cfg.model_runner == "v1"
     return EngineProcessSettings(cpu_sampling_fix=cfg.cpu_sampling_fix and v1,
                                  draft_invariant_sampling=cfg.draft_invariant_sampling and v1,
-                                 kv_replay_cache=cfg.num_speculative_tokens > 0, model_family=model_family)
+                                 model_family=model_family)
 
 
 def engine_environment(cfg: EngineConfig) -> dict[str, str]:
@@ -56,10 +53,6 @@ def engine_environment(cfg: EngineConfig) -> dict[str, str]:
     env = {V2_RUNNER_ENV: "1" if cfg.model_runner == "v2" else "0"}
     if cfg.weight_transfer_backend == "ipc":
         env[INSECURE_SERIALIZATION_ENV] = "1"
-    if cfg.adaptive_speculation:   # read by the engine core's scheduler (speculation/scheduler_hook.py)
-        env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
-        if cfg.policy_trace_dir is not None:
-            env[POLICY_TRACE_ENV] = cfg.policy_trace_dir
     return env
 
 
@@ -223,7 +216,7 @@ class InferenceEngine:
         self.cfg = cfg
         self.engine_index = engine_index
         self.schema: WeightSchema = read_weight_schema(cfg.model_path)
-        kwargs = {**cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS), **cfg.engine_kwargs}
+        kwargs = {**cfg.engine_kwargs, **cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS)}
         kwargs.update({k: v for k, v in cpu_engine_defaults(cfg).items() if k not in cfg.engine_kwargs})
         import torch
 
@@ -271,15 +264,8 @@ class InferenceEngine:
         adaptive = None
         if self.cfg.adaptive_speculation:   # after model load: the hook wraps the runner and its drafter
             adaptive = (await self._engine.collective_rpc("skyrl_install_adaptive_speculation"))[0]
-        replay_cache = await self.kv_replay_cache_stats()
-        if self.cfg.num_speculative_tokens > 0 and not self.cfg.adaptive_speculation and replay_cache is None:
-            # (auto's scheduler installs the memo itself, and reports it with the policy's stats)
-            logger.warning("engine %d: vLLM did not run skyrl_mtp's general plugin in its engine core (VLLM_PLUGINS "
-                           "leaves it out, or skyrl_mtp was installed without its entry points): its scheduler "
-                           "recomputes every request's replay boundaries every step (kv_replay_cache.py)",
-                           self.engine_index)
         return {"engine_index": self.engine_index, "schema": self.schema, "pid": os.getpid(),
-                "adaptive_speculation": adaptive, "compile_warmup": warmup, "kv_replay_cache": replay_cache,
+                "adaptive_speculation": adaptive, "compile_warmup": warmup,
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "model_runner": checks[0]["model_runner"], "runner_class": checks[0]["runner_class"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
@@ -359,9 +345,9 @@ class InferenceEngine:
         return (await self._engine.collective_rpc("skyrl_compiled_graphs"))[0]
 
     async def adaptive_speculation_stats(self) -> dict[str, Any] | None:
-        """Adaptive speculation's state, or None: what the worker ran (k histogram, drafter skips, plain
-        steps) and, under "policy", the engine core's policy that chooses k; its acceptance per position,
-        the one k is chosen on, is also given at the top level ("acceptance_per_pos", "attempts_per_pos")."""
+        """Auto k's state, or None: what the worker ran (k histogram, drafter skips, plain steps) and, under
+        "policy", the engine core's policy that chooses k; its acceptance per position, the one k is chosen
+        on, is also given at the top level ("acceptance_per_pos", "attempts_per_pos")."""
         if not self.cfg.adaptive_speculation:
             return None
         worker = (await self._engine.collective_rpc("skyrl_adaptive_speculation_stats"))[0]
@@ -369,20 +355,11 @@ class InferenceEngine:
         return {**worker, "acceptance_per_pos": policy["acceptance_per_pos"],
                 "attempts_per_pos": policy["attempts_per_pos"], "policy": policy}
 
-    async def kv_replay_cache_stats(self) -> dict[str, int] | None:
-        """Hits and misses of the engine core's memo of vLLM's replay boundaries (kv_replay_cache), or None
-        where it is not installed (an engine that does not draft, or vLLM did not run the plugin)."""
-        try:
-            return await self._engine.engine_core.call_utility_async(kv_replay_cache.STATS_UTILITY)
-        except Exception as e:   # the utility is missing: the plugin did not run in the engine core
-            logger.debug("engine %d: %s: %s", self.engine_index, kv_replay_cache.STATS_UTILITY, e)
-            return None
-
     async def _policy_stats(self) -> dict[str, Any]:
-        """The engine core's speculation policy (adaptive_scheduler.POLICY_STATS_UTILITY)."""
-        from skyrl_mtp.speculation.scheduler_hook import POLICY_STATS_UTILITY
+        """The engine core's speculation policy (scheduler_hook.STATS_UTILITY)."""
+        from skyrl_mtp.speculation.scheduler_hook import STATS_UTILITY
 
-        policy = await self._engine.engine_core.call_utility_async(POLICY_STATS_UTILITY)
+        policy = await self._engine.engine_core.call_utility_async(STATS_UTILITY)
         if policy is None:
             raise RuntimeError(f"engine {self.engine_index}: adaptive speculation is on but the engine core's "
                                "scheduler is not skyrl_mtp's adaptive one")

@@ -97,9 +97,9 @@ class WeightSyncExtension:
 
     def skyrl_install_adaptive_speculation(self) -> dict:
         """Wrap this worker's runner with the adaptive-k hook (checks vLLM's names; raises if moved)."""
-        from skyrl_mtp.speculation import policy as adaptive_speculation
+        from skyrl_mtp.speculation import worker_hook
 
-        hook = adaptive_speculation.install(self.model_runner)
+        hook = worker_hook.install(self.model_runner)
         return {"k_max": hook.k_max, "runner": type(self.model_runner).__name__,
                 "plain_k0_steps": hook.plain_supported}
 
@@ -108,18 +108,6 @@ class WeightSyncExtension:
         if hook is None:
             raise RuntimeError("adaptive speculation is not installed on this worker")
         return hook.stats()
-
-    def skyrl_install_phase_timer(self) -> dict:
-        """Time this worker's runner phases from now on (runner_phase_timer; raises if a phase moved)."""
-        from skyrl_mtp.rollout import runner_phase_timer
-
-        return runner_phase_timer.install(self.model_runner).snapshot()
-
-    def skyrl_phase_times(self) -> dict:
-        timer = getattr(self.model_runner, "_skyrl_phase_timer", None)
-        if timer is None:
-            raise RuntimeError("the runner phase timer is not installed on this worker")
-        return timer.snapshot()
 
     def skyrl_weight_digest(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the target model ("model.") and the drafter ("draft."), as

@@ -137,23 +137,6 @@ def test_k1_oracle_head_equals_no_spec_with_acceptance_one(engine_pool, refs):
     assert m["rollout/train/generated_tokens"] == sum(len(o.token_ids) for o in outs)
 
 
-def test_a_fixed_k_engine_memoizes_replay_boundaries_and_a_no_spec_engine_does_not(engine_pool, refs):
-    # vLLM's own scheduler runs a fixed-k engine: the memo reaches its engine core through the vLLM
-    # plugin (kv_replay_cache.vllm_plugin), which only engines that draft ask for
-    import ray
-
-    k1, nospec = engine_pool.get("k1"), engine_pool.get("nospec")
-    assert nospec.engine_infos[0]["kv_replay_cache"] is None
-    before = ray.get(k1.actors[0].kv_replay_cache_stats.remote())
-    assert before is not None and k1.engine_infos[0]["kv_replay_cache"] is not None
-    k1.generate_sync(PROMPTS, GREEDY)
-    after = ray.get(k1.actors[0].kv_replay_cache_stats.remote())
-    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-    # every scheduled request, every step: a few distinct prompt lengths, MAX_TOKENS steps each
-    assert hits > 5 * len(PROMPTS) and misses <= len(PROMPTS), (before, after)
-    assert ray.get(nospec.actors[0].kv_replay_cache_stats.remote()) is None
-
-
 def test_sampled_rollouts_do_not_depend_on_the_drafts(engine_pool, refs):
     # Draft-invariant sampling (default on CPU): at T = 1 with per-request seeds the tokens equal the
     # no-spec engine's, whether the head drafts well (oracle, k=1) or badly (random head, k=3).

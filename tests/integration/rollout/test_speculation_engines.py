@@ -5,7 +5,7 @@ been left on other weights by test_engines.py), then the same prompts run greedy
 per-request seeds: the adaptive engine must emit exactly the no-spec engine's tokens (greedy: the
 target verifies every draft; T = 1: the draft-invariant coupling keys the noise to the output position
 whatever k was drafted), while its scheduler really varied k (histogram over 0..3, drafter skipped at 0,
-no draft fetch after a k = 0 step) and the mean k per step reaches the metrics.
+steps with no drafts either way run as no-spec steps) and the mean k per step reaches the metrics.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     nospec.sync_weights(weights)
     auto.sync_weights(weights)
     prompts = _prompts()
-    model_windows = 0
+    explored = []
     for spec in (GREEDY, SAMPLED):
         ref = nospec.generate_sync(prompts, spec)
         auto.metrics.start("train")
@@ -49,37 +49,30 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
         k_mean = m["rollout/train/speculation_k_mean"]
         assert 0.0 < k_mean <= 3.0, m
         assert m["rollout/train/num_drafts"] > 0
-        # the policy's own choices and its exploration reach the window too (none in a window the engine's
-        # warm-up fills: the policy chose none of those steps)
-        model = [m.get(f"rollout/train/speculation_model_k_share_{k}") for k in range(4)]
-        if model[0] is not None:
-            model_windows += 1
-            assert sum(model) == pytest.approx(1.0), m
-        assert 0.0 < m["rollout/train/speculation_explored_share"] <= 1.0, m
+        # the policy's own choices (mtp/draft_depths.py reads them) and its exploration reach the window too
+        model = [m[f"rollout/train/speculation_model_k_share_{k}"] for k in range(4)]
+        assert sum(model) == pytest.approx(1.0), m
+        explored.append(m["rollout/train/speculation_explored_share"])
         assert math.isfinite(m["rollout/train/speculation_seconds_saved"]), m   # the head-training credit's input
-    assert model_windows >= 1
+    assert all(0.0 <= e <= 1.0 for e in explored) and max(explored) > 0.0, explored
     import ray
 
     stats = ray.get(auto.actors[0].adaptive_speculation_stats.remote())
     hist = stats["k_histogram"]
     assert len(hist) == 4 and sum(hist) == stats["steps"] > 0
-    # the engine core decided every step the worker ran; its model chose all but the warm-up's, and the
-    # warm-up, timing cycles, probes and challenges explored (every step is one or the other, or both)
+    # the engine core decided every step the worker ran; the timing of each bucket at every k and the probes
+    # explored, the model chose the rest (it counts every step, at the k it would have run)
     policy = stats["policy"]
     assert policy["explore_budget"] == 0.03   # EngineConfig.explore_budget reached the engine core's policy
-    assert policy["max_batch"] == auto.cfg.max_num_seqs   # the scheduler's max_num_seqs bounds its bucket checks
     assert policy["scheduling_policy"] == "fcfs"          # vLLM's own scheduling policy is left as vLLM set it
     model = policy["model_k_histogram"]
-    assert policy["steps"] >= stats["steps"] and 0 < sum(model) < policy["steps"], policy
-    assert policy["explored_steps"] >= 3 * 2 * 4   # at least the warm-up: 3 cycles of each k in 0..3 twice
-    assert sum(model) + policy["explored_steps"] >= policy["steps"] > policy["explored_steps"], policy
-    assert sum(1 for h in hist if h) >= 3, hist        # calibration cycled k over 0..3 and the policy chose
+    assert policy["steps"] >= stats["steps"] and sum(model) == policy["steps"] > policy["explored_steps"] > 0, policy
+    assert sum(1 for h in hist if h) >= 3, hist        # a bucket was timed at k in 0..3 and the policy chose
+    timed = [r for r in policy["bucket_cost_ratio"].values() if None not in r]
+    assert timed and all(r[0] == 1.0 and min(r[1:]) > 1.0 for r in timed), policy   # a draft step costs more
     assert stats["skipped_drafter_steps"] == hist[0]    # k = 0: the drafter did not run
     # k = 0 after k = 0 (nothing to verify, nothing to propose) ran as vLLM's no-spec step
     assert 0 < stats["plain_steps"] < hist[0], stats
-    assert stats["plain_sampled_steps"] > 0             # other steps without drafts took vLLM's plain sampler
-    # the engine core fetched drafts from the worker only after steps that drafted (k = 0: no round trip)
-    assert stats["draft_fetches"] == stats["steps"] - hist[0], stats
     # the oracle head: greedy drafts are always accepted, so the live estimate at position 1 is high
     assert stats["acceptance_per_pos"][0] > 0.5, stats
     assert engine_pool.get("auto").engine_infos[0]["adaptive_speculation"] == {"k_max": 3, "runner": "CPUModelRunner",
@@ -92,6 +85,7 @@ def test_auto_k_is_lossless_varies_k_and_reports_it(engine_pool, oracle_ckpt):
     now = ray.get(actor.adaptive_speculation_stats.remote())["policy"]
     assert first == again and again.speculation_k_hist == tuple(float(n) for n in now["k_histogram"])
     assert again.speculation_steps == now["steps"] and again.speculation_explored_steps == now["explored_steps"]
+    assert again.speculation_model_k_hist == tuple(float(n) for n in now["model_k_histogram"])
     auto.generate_sync(prompts[:2], GREEDY)
     after = ray.get(actor.spec_counters.remote())
     assert after.speculation_steps > again.speculation_steps and after.generated_tokens > again.generated_tokens
@@ -149,19 +143,7 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     assert after["policy"]["seconds_saved"] - after_sync["policy"]["seconds_saved"] < 1e-3, (after_sync, after)
     last = rounds[-1]
     assert last["k0"] > 0.8 * last["steps"], rounds          # settled: not drafting (probes aside)
-    # the plain steps right after drafting stopped (and after each probe since) were timed as settling, apart
-    # from k = 0's fit, and what they took beyond it is charged to the next exploration
-    settle = after["policy"]
-    assert min(settle["settle_timings_per_pos"]) > 0, settle
-    assert settle["settle_seconds"] == pytest.approx(sum(max(e, 0.0) for e in settle["settle_excess_per_pos"]))
-    assert 0.0 <= settle["settle_seconds"] < 0.1, settle
     assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec
-    # and the policy answered some of those steps on its fast path (the last full choice held: nothing new)
-    assert 0 < settle["held_steps"] < settle["steps"], settle
-    # vLLM's per-request replay boundaries came from the engine core's memo (kv_replay_cache): one miss per
-    # distinct prompt length, a hit for every other request on every step
-    memo = after["policy"]["kv_replay_cache"]
-    assert memo is not None and memo["hits"] > 10 * memo["misses"] > 0, memo
 
 
 MAX_ROUNDS = 8
@@ -179,7 +161,7 @@ def test_the_engine_cores_policy_trace_replays_to_the_k_it_ran_at_every_step(eng
     syncs and heads the tests before this one put it through."""
     import ray
 
-    from skyrl_mtp.speculation.trace import read_trace, replay
+    from skyrl_mtp.speculation.trace import replay
 
     auto = engine_pool.get("auto")
     auto.generate_sync(_prompts(), SAMPLED)
@@ -187,9 +169,8 @@ def test_the_engine_cores_policy_trace_replays_to_the_k_it_ran_at_every_step(eng
     steps = ray.get(auto.actors[0].adaptive_speculation_stats.remote())["policy"]["steps"]
     traces = sorted(Path(auto.cfg.policy_trace_dir).glob("policy_trace.*.txt"))
     assert len(traces) == 1, traces        # one engine core
-    trace = read_trace(traces[0])
-    assert trace.steps == steps > 0 and (trace.k_max, trace.explore_budget) == (3, 0.03)
-    again = replay(trace)
+    again = replay(traces[0])
+    assert len(again.ks) == steps > 0 and (again.policy.k_max, again.policy.explore_budget) == (3, 0.03)
     assert again.first_mismatch is None and len(set(again.ks)) >= 2, again.ks
     assert again.policy.stats()["k_histogram"] == ray.get(
         auto.actors[0].adaptive_speculation_stats.remote())["policy"]["k_histogram"]

@@ -41,7 +41,7 @@ def test_engine_kwargs_cannot_override_managed_keys():
     with pytest.raises(ValueError, match=r"engine_kwargs.*\['seed'\].*set by EngineConfig"):
         EngineConfig(model_path="/x", engine_kwargs={"seed": 3, "block_size": 16})
     cfg = EngineConfig(model_path="/x", engine_kwargs={"block_size": 16})
-    merged = {**cfg.managed_engine_kwargs("m.C"), **cfg.engine_kwargs}
+    merged = {**cfg.engine_kwargs, **cfg.managed_engine_kwargs("m.C")}
     assert merged["block_size"] == 16 and merged["worker_extension_cls"] == "m.C"
     assert set(cfg.managed_engine_kwargs("m.C")) == set(MANAGED_ENGINE_KWARGS)
     with pytest.raises(ValueError, match=r"\['no_such_arg'\] are not vLLM engine arguments"):
@@ -63,23 +63,25 @@ def test_mtp_requested_on_checkpoint_without_mtp_layers(tmp_path):
         check_checkpoint(EngineConfig(model_path=str(tmp_path / "missing")))
 
 
-def test_engine_process_settings_carry_the_sampling_switches_and_the_replay_memo(monkeypatch):
+def test_engine_process_settings_carry_the_sampling_switches(monkeypatch):
     from skyrl_mtp import engine_process
 
     off = engine_process_settings(EngineConfig(model_path="/x", cpu_sampling_fix=False))
-    assert (off.cpu_sampling_fix, off.draft_invariant_sampling, off.kv_replay_cache) == (False, True, False)
+    assert (off.cpu_sampling_fix, off.draft_invariant_sampling) == (False, True)
     no_coupling = engine_process_settings(EngineConfig(model_path="/x", draft_invariant_sampling=False), "qwen3_5")
     assert (no_coupling.draft_invariant_sampling, no_coupling.model_family) == (False, "qwen3_5")
-    # an engine that drafts asks the vLLM plugin for the memo of replay boundaries (kv_replay_cache)
     drafting = engine_process_settings(EngineConfig(model_path="/x", num_speculative_tokens=2))
-    assert drafting.kv_replay_cache is True
     # vLLM's own variables: the V1 runner unless the config chooses V2
     assert engine_environment(EngineConfig(model_path="/x")) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    # auto k's settings travel in vLLM's config, not in the environment (speculation/settings.py)
+    assert engine_environment(EngineConfig(model_path="/x", num_speculative_tokens=2, adaptive_speculation=True,
+                                           explore_budget=0.05, policy_trace_dir="/t")) == {
+        "VLLM_USE_V2_MODEL_RUNNER": "0"}
     # one variable carries the whole object, and a process reads back exactly what was set
     (name, value), = drafting.to_env().items()
     monkeypatch.setenv(name, value)
     assert engine_process.current() == drafting
-    monkeypatch.setenv(name, value.replace('"speculation"', '"an_unknown_field"'))
+    monkeypatch.setenv(name, value.replace('"model_family"', '"an_unknown_field"'))
     with pytest.raises(ValueError, match="unknown fields"):
         engine_process.current()
 

@@ -1,8 +1,8 @@
-"""The worker half of adaptive speculation on a stand-in runner: which steps run as no-spec steps.
+"""The worker half of auto k on a stand-in runner: the drafter skipped at k = 0, which steps run as no-spec steps.
 
 The stand-in follows the contract the hook relies on in vLLM's runner: `execute_model` builds spec-decode
 metadata only while `speculative_config` is set, stores it in `execute_model_state`, and `sample_tokens`
-reads it back. The real runner is covered by tests/integration/rollout/test_adaptive_speculation_engines.py.
+reads it back and proposes drafts. The real runner is covered by tests/integration/rollout/test_speculation_engines.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from skyrl_mtp.speculation.policy import AdaptiveSpeculationError, _Hook, plain_steps_supported
+from skyrl_mtp.speculation.settings import AdaptiveSpeculationError
+from skyrl_mtp.speculation.worker_hook import Hook, install, plain_steps_supported
 
 State = namedtuple("State", "scheduler_output spec_decode_metadata spec_decode_common_attn_metadata")
 SPEC = object()
@@ -28,6 +29,7 @@ class Runner:
         self.execute_model_state = None
         self.ignores_config = ignores_config
         self.seen: list[tuple[str, bool]] = []     # (method, ran with speculation configured)
+        self.proposed: list[int] = []              # the k of each drafter run
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         spec = self.speculative_config is not None or self.ignores_config
@@ -49,6 +51,7 @@ class Runner:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata):
+        self.proposed.append(scheduler_output.num_spec_tokens_to_schedule)
         return torch.ones(1, scheduler_output.num_spec_tokens_to_schedule, dtype=torch.int64)
 
     def take_draft_token_ids(self):
@@ -70,7 +73,7 @@ def _step(runner, drafts: dict, k: int, tokens: int = 1):
 
 def test_a_step_with_nothing_to_verify_or_propose_runs_without_speculation():
     runner = Runner()
-    hook = _Hook(runner, k_max=3)
+    hook = Hook(runner, k_max=3)
     assert _step(runner, {}, 0) == [("execute_model", False), ("sample_tokens", False)]
     assert runner.speculative_config is SPEC                          # restored after the step
     assert _step(runner, {}, 2) == [("execute_model", True), ("sample_tokens", True)]     # drafts to propose
@@ -81,6 +84,7 @@ def test_a_step_with_nothing_to_verify_or_propose_runs_without_speculation():
     assert stats["plain_steps"] == 2
     assert stats["k_histogram"] == [3, 0, 1, 0]           # the empty step has no k; the rest counted once
     assert stats["skipped_drafter_steps"] == 3
+    assert runner.proposed == [2]                          # the drafter ran at k = 2 only, never at k = 0
 
 
 @pytest.mark.parametrize("kw, why", [({"hybrid": True}, "hybrid"), ({"async_scheduling": True}, "async")])
@@ -88,14 +92,15 @@ def test_recurrent_models_and_async_scheduling_keep_the_speculative_path(kw, why
     runner = Runner(**kw)
     ok, reason = plain_steps_supported(runner)
     assert not ok and why in reason
-    hook = _Hook(runner, k_max=3)
+    hook = Hook(runner, k_max=3)
     assert _step(runner, {}, 0) == [("execute_model", True), ("sample_tokens", True)]
     assert hook.stats()["plain_steps"] == 0 and hook.stats()["skipped_drafter_steps"] == 1
+    assert runner.proposed == []   # the speculative path, but still no drafter at k = 0
 
 
 def test_a_runner_that_builds_metadata_without_a_speculative_config_fails_loudly():
     runner = Runner(ignores_config=True)
-    _Hook(runner, k_max=3)
+    Hook(runner, k_max=3)
     with pytest.raises(AdaptiveSpeculationError, match="still built spec_decode_metadata"):
         _step(runner, {}, 0)
     assert runner.speculative_config is SPEC
@@ -106,7 +111,7 @@ def test_the_wrappers_keep_the_runner_signatures():
 
     runner = Runner()
     sig = inspect.signature(runner.execute_model), inspect.signature(runner.sample_tokens)
-    _Hook(runner, k_max=3)
+    Hook(runner, k_max=3)
     assert (inspect.signature(runner.execute_model), inspect.signature(runner.sample_tokens)) == sig
 
 
@@ -116,8 +121,38 @@ def test_the_pinned_vllm_runner_has_what_the_hook_wraps():
 
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    from skyrl_mtp.speculation.policy import PROPOSE_PARAMS, SAMPLE_PARAMS
+    from skyrl_mtp.speculation.worker_hook import PROPOSE_PARAMS
 
     propose = tuple(inspect.signature(CPUModelRunner.propose_draft_token_ids).parameters)[1:]
     assert propose[:len(PROPOSE_PARAMS)] == PROPOSE_PARAMS
-    assert tuple(inspect.signature(CPUModelRunner._sample).parameters)[1:] == SAMPLE_PARAMS
+
+
+def test_install_fails_loudly_when_vllm_moved():
+    class Moved:   # no propose_draft_token_ids
+        def execute_model(self, scheduler_output):
+            return None
+
+    with pytest.raises(AdaptiveSpeculationError, match="propose_draft_token_ids"):
+        install(Moved())
+
+
+def test_the_worker_accepts_the_adaptive_scheduler_or_a_subclass_and_nothing_else():
+    import sys
+    import types
+
+    from skyrl_mtp.speculation.scheduler_hook import AdaptiveSpeculationScheduler
+    from skyrl_mtp.speculation.settings import SCHEDULER_CLS
+    from skyrl_mtp.speculation.worker_hook import is_adaptive_scheduler
+
+    module = types.ModuleType("skyrl_test_schedulers")
+    module.Timed = type("Timed", (AdaptiveSpeculationScheduler,), {})
+    module.Other = type("Other", (), {})
+    sys.modules[module.__name__] = module
+    try:
+        assert is_adaptive_scheduler(SCHEDULER_CLS) and is_adaptive_scheduler(AdaptiveSpeculationScheduler)
+        assert is_adaptive_scheduler("skyrl_test_schedulers.Timed") and is_adaptive_scheduler(module.Timed)
+        for other in ("skyrl_test_schedulers.Other", "vllm.v1.core.sched.scheduler.Scheduler", "no_such.Module",
+                      "skyrl_test_schedulers.Missing", None, "Scheduler"):
+            assert not is_adaptive_scheduler(other), other
+    finally:
+        del sys.modules[module.__name__]
