@@ -24,6 +24,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
 SYNTHETIC_TASKS = ("arithmetic", "search")
 SEARCH_ON_FAILURE = ("score", "raise")
+VLLM_RUNNERS = ("v1", "v2")   # vLLM's model runners (VLLM_USE_V2_MODEL_RUNNER=0 / 1): which MTP drafter runs
 
 # Tokens per chunk of the draft loss: an int (0 = all tokens at once) or "auto", as many tokens as keep
 # one chunk's logits on a rank's vocab shard at MTP_LOSS_CHUNK_AUTO_ELEMENTS (512 MiB in fp32): few chunks

