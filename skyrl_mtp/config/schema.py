@@ -145,6 +145,12 @@ class MegatronConfig:
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    # expert parallel size for mixture-of-experts models: the routed experts are spread over groups of ep
+    # ranks (each holds n_experts / ep of them); ep divides tp * dp. Dense models: 1.
+    ep: int = 1
+    # > 0: megatron-core's sequence-level router load-balancing loss (DeepSeek-V3's) at this coefficient, on
+    # the trunk's routers (part of the policy update) and the MTP layers' (part of the draft loss only)
+    moe_aux_loss_coeff: float = 0.0
     micro_batch_size: int = 4
     dtype: str = "float32"
     # MTP layers built into the policy; null = the checkpoint's num_nextn_predict_layers.
@@ -220,7 +226,7 @@ class AlgorithmConfig:
 class TinyModelConfig:
     """Build the embedded tiny model when `model.path` is null (architecture: `family`)."""
 
-    family: str = "mimo"  # model family of the tiny model: "mimo" or "qwen3_5" (hybrid Gated DeltaNet)
+    family: str = "mimo"  # model family of the tiny model: "mimo", "qwen3_5" (hybrid Gated DeltaNet), "deepseek_v3" (MLA + MoE)
     hidden: int = 128
     layers: int = 2
     heads: int = 4

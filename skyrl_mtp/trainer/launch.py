@@ -48,6 +48,16 @@ def resolve_model(cfg: DictConfig, cache: Path) -> Path:
     return path
 
 
+def check_parallel_layout(cfg: DictConfig, model_path: Path) -> None:
+    """The checkpoint's model family accepts the policy's parallel layout (megatron.tp, megatron.ep); raises
+    ModelBuildError naming the key otherwise. Reads config.json only."""
+    from skyrl_mtp.models.families import family_for_config, read_hf_config
+
+    hf_cfg = read_hf_config(model_path)
+    family = family_for_config(hf_cfg)
+    family.check_parallel(family.args_from_config(hf_cfg), tp=int(cfg.megatron.tp), ep=int(cfg.megatron.ep))
+
+
 def synthetic_data(cfg: DictConfig, cache: Path) -> dict[str, Path]:
     d = build.data_settings(cfg)
     params = dict(d.synthetic_params)
@@ -231,6 +241,7 @@ def _run(cfg: DictConfig) -> int:
     quiet_library_logs(build.tracker_config(cfg).verbose, cache / "logging")   # before Ray starts: workers inherit it
     check_run_dir(cfg)
     base_model = resolve_model(cfg, cache)
+    check_parallel_layout(cfg, base_model)   # e.g. a MoE model's tp / ep: before Ray or any worker starts
     data = synthetic_data(cfg, cache) if cfg.data.synthetic else {}
     train_files = [Path(p) for p in cfg.data.train_files] or [data["train"]]
     val_files = [Path(p) for p in cfg.data.val_files] or ([data["val"]] if "val" in data else [])
