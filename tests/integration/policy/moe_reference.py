@@ -10,7 +10,8 @@ import torch
 
 def fuse_experts(sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     out = dict(sd)
-    prefixes = {k[: k.index("experts.") + len("experts.")] for k in sd if ".mlp.experts.0.gate_proj.weight" in k}
+    first = "experts.0.gate_proj.weight"
+    prefixes = {k[: -len(first) + len("experts.")] for k in sd if k.endswith(first)}
     for p in prefixes:
         out[p + "gate_up_proj"] = torch.stack([torch.cat([out.pop(f"{p}{e}.gate_proj.weight"),
                                                           out.pop(f"{p}{e}.up_proj.weight")]) for e in range(num_experts)])
