@@ -5,6 +5,8 @@ takes (kv_lora_rank + qk_rope_head_dim = 576), ``DEEPSEEK_V3_MOE.first_k_dense_r
 MoE layers (sigmoid noaux_tc routing over expert groups, a shared expert, a routed scaling factor), and
 ``mtp_layers`` MTP layers at ``model.layers.{layers + j}`` (MoE blocks, as vLLM builds them at that index).
 The router's ``e_score_correction_bias`` is drawn non-zero, so expert choice depends on it.
+"glm4_moe" (``Glm4MoeForCausalLM``): GQA with q/k/v biases, per-head q/k norms and half-dimension RoPE, the same
+MoE layout and MTP layers as "deepseek_v3".
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ DEEPSEEK_V3_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 3
 DEEPSEEK_V3_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
                    "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                    "routed_scaling_factor": 2.5}
-MOE_FAMILIES = ("deepseek_v3",)
+MOE_FAMILIES = ("deepseek_v3", "glm4_moe")
 
 
 def _init(g: torch.Generator):
@@ -111,9 +113,46 @@ def deepseek_v3_hf_config(spec, tokenizer) -> dict:
     }
 
 
+def _glm_block(p: str, spec, moe: bool, init, g: torch.Generator) -> dict[str, torch.Tensor]:
+    a, h, d = p + "self_attn.", spec.hidden, spec.head_dim
+    q, kv = spec.heads * d, spec.kv_heads * d
+    out = {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+           a + "q_proj.weight": init(q, h), a + "q_proj.bias": init(q, std=0.1),
+           a + "k_proj.weight": init(kv, h), a + "k_proj.bias": init(kv, std=0.1),
+           a + "v_proj.weight": init(kv, h), a + "v_proj.bias": init(kv, std=0.1),
+           a + "o_proj.weight": init(h, q), a + "q_norm.weight": torch.ones(d), a + "k_norm.weight": torch.ones(d)}
+    out.update(_deepseek_moe(p + "mlp.", h, init, g) if moe else _mlp(p + "mlp.", h, spec.intermediate, init))
+    return out
+
+
+def build_glm4_moe_weights(spec) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed)
+    init, h = _init(g), spec.hidden
+    sd = {"model.embed_tokens.weight": init(spec.vocab, h), "model.norm.weight": torch.ones(h)}
+    for i in range(spec.layers):
+        sd.update(_glm_block(f"model.layers.{i}.", spec, deepseek_v3_is_moe(i), init, g))
+    if not spec.tie_word_embeddings:
+        sd["lm_head.weight"] = init(spec.vocab, h)
+    for j in range(spec.mtp_layers):
+        p = f"model.layers.{spec.layers + j}."
+        sd.update(_glm_block(p, spec, deepseek_v3_is_moe(spec.layers + j), init, g))
+        sd.update({p + "enorm.weight": torch.ones(h), p + "hnorm.weight": torch.ones(h),
+                   p + "eh_proj.weight": init(h, 2 * h), p + "shared_head.norm.weight": torch.ones(h)})
+    return {k: t.contiguous() for k, t in sd.items()}
+
+
+def glm4_moe_hf_config(spec, tokenizer) -> dict:
+    cfg = deepseek_v3_hf_config(spec, tokenizer)
+    for k in (*DEEPSEEK_V3_MLA, "rope_interleave", "topk_method", "scoring_func", "moe_layer_freq", "rope_scaling"):
+        cfg.pop(k)
+    return {**cfg, "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "head_dim": spec.head_dim,
+            "num_key_value_heads": spec.kv_heads, "partial_rotary_factor": 0.5, "attention_bias": True,
+            "use_qk_norm": True, "rms_norm_eps": 1e-5}
+
+
 def build_moe_weights(spec) -> dict[str, torch.Tensor]:
-    return {"deepseek_v3": build_deepseek_v3_weights}[spec.family](spec)
+    return {"deepseek_v3": build_deepseek_v3_weights, "glm4_moe": build_glm4_moe_weights}[spec.family](spec)
 
 
 def moe_hf_config(spec, tokenizer) -> dict:
-    return {"deepseek_v3": deepseek_v3_hf_config}[spec.family](spec, tokenizer)
+    return {"deepseek_v3": deepseek_v3_hf_config, "glm4_moe": glm4_moe_hf_config}[spec.family](spec, tokenizer)

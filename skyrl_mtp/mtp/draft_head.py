@@ -138,9 +138,10 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
         x = gather_from_tensor_model_parallel_region(x)
         x, _ = getattr(layer, inner)(hidden_states=x, attention_mask=kw.get("attention_mask"),
                                      rotary_pos_emb=kw.get("rotary_pos_emb"))
-        x = layer.final_layernorm(x)
-        outs.append(x)
-        hidden = x  # deeper_hidden == "previous_output": depth d+1 is fed depth d's final-normed output
+        normed = layer.final_layernorm(x)
+        outs.append(normed)
+        # depth d+1 is fed depth d's output: final-normed ("previous_output") or before the norm
+        hidden = normed if inputs.deeper_hidden == "previous_output" else x
     return outs
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from .base import ModelBuildError, ModelFamily, MTPReplayInputs, WeightMappingError, WeightRule
 from .deepseek_v3 import DEEPSEEK_V3
+from .glm4_moe import GLM4_MOE
 from .mimo import MIMO
 from .qwen3_5 import QWEN3_5
 
-FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3)
+FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3, GLM4_MOE)
 
 
 def family_for_config(hf_cfg: dict) -> ModelFamily:

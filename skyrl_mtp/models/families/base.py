@@ -97,9 +97,12 @@ class MTPReplayInputs:
 
     hidden: the trunk hidden state depth 1 receives: "pre_norm" (before the final norm) or "post_norm".
     zero_embedding_at_position_0: the drafter zeroes the token embedding where the position id is 0.
-    deeper_hidden: what depth d > 1 receives as its hidden state; "previous_output" = the drafter's
-        output of depth d-1 (its final-normed MTP output), which is what vLLM 0.32's proposer feeds
-        back (llm_base_proposer.py: ``self.hidden_states[:batch_size] = hidden_states``).
+    deeper_hidden: what depth d > 1 receives as its hidden state: the drafter's output of depth d-1, which
+        vLLM 0.32's proposer feeds back (llm_base_proposer.py: ``self.hidden_states[:batch_size] =
+        hidden_states``): "previous_output" = that output final-normed (MiMo, Qwen3.5, and DeepSeek-V3,
+        whose MTP layer returns (pre-norm, normed) and the proposer feeds back the second,
+        ``model_returns_tuple``), "previous_pre_norm" = before its final norm (GLM-4.5, whose MTP layer
+        returns the pre-norm state only and applies ``shared_head.norm`` in compute_logits).
     depth_layer: which MTP layer runs depth d; "first" = layer 0 at every depth (vLLM 0.32's V1
         proposer, llm_base_proposer.py, never passes ``spec_step_idx``, so every draft step runs the first
         MTP layer), "per_depth" = layer (d-1) mod num_layers (the V2 runner's multi-module MTP drafter,
@@ -115,7 +118,7 @@ class MTPReplayInputs:
     depth_layer: str = "first"
 
     def __post_init__(self) -> None:
-        allowed = {"hidden": ("pre_norm", "post_norm"), "deeper_hidden": ("previous_output",),
+        allowed = {"hidden": ("pre_norm", "post_norm"), "deeper_hidden": ("previous_output", "previous_pre_norm"),
                    "depth_layer": ("first", "per_depth")}
         for field, ok in allowed.items():
             if getattr(self, field) not in ok:

@@ -41,6 +41,7 @@ from .megatron_common import (
 )
 from .moe_common import (
     MoEArgs,
+    check_moe_parallel,
     deepseek_style_ignorable,
     deepseek_style_mtp_hf_names,
     deepseek_style_mtp_rules,
@@ -176,13 +177,7 @@ class DeepseekV3Family(ModelFamily):
         return deepseek_style_mtp_hf_names(names)
 
     def check_parallel(self, args: DeepseekV3Args, *, tp: int, ep: int) -> None:
-        if tp != 1:
-            raise ModelBuildError(f"megatron.tp={tp} with a {self.name} (MoE) model: megatron-core trains MoE layers "
-                                  "under tensor parallelism only with sequence parallelism, which the local layer "
-                                  "spec (torch norms) does not support; allowed: tp=1 (spread experts with "
-                                  "megatron.ep over data-parallel ranks)")
-        if ep < 1 or args.moe.num_experts % ep:
-            raise ModelBuildError(f"megatron.ep={ep} must divide the {args.moe.num_experts} routed experts")
+        check_moe_parallel(self.name, args.moe, tp=tp, ep=ep)
 
     def build_model(self, args: DeepseekV3Args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0):

