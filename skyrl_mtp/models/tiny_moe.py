@@ -7,6 +7,9 @@ MoE layers (sigmoid noaux_tc routing over expert groups, a shared expert, a rout
 The router's ``e_score_correction_bias`` is drawn non-zero, so expert choice depends on it.
 "glm4_moe" (``Glm4MoeForCausalLM``): GQA with q/k/v biases, per-head q/k norms and half-dimension RoPE, the same
 MoE layout and MTP layers as "deepseek_v3".
+"qwen3_next" (``Qwen3NextForCausalLM``): the factory's Qwen3.5 trunk (Gated DeltaNet / gated attention) with the
+Gated DeltaNet projections fused per key-head group (``in_proj_qkvz``, ``in_proj_ba``) and a MoE MLP in every
+layer (softmax routing, a gated shared expert), its MTP layer's included.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ DEEPSEEK_V3_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 3
 DEEPSEEK_V3_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
                    "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                    "routed_scaling_factor": 2.5}
-MOE_FAMILIES = ("deepseek_v3", "glm4_moe")
+MOE_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")
+QWEN3_NEXT_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 64}
 
 
 def _init(g: torch.Generator):
@@ -150,9 +155,57 @@ def glm4_moe_hf_config(spec, tokenizer) -> dict:
             "use_qk_norm": True, "rms_norm_eps": 1e-5}
 
 
+def _fuse_gdn(sd: dict[str, torch.Tensor], p: str, spec) -> None:
+    """Qwen3.5's separate q/k/v, z, b, a projections -> Qwen3-Next's per-key-group in_proj_qkvz / in_proj_ba."""
+    from .tiny import QWEN3_5_LINEAR_HEAD_DIM as d
+
+    nk, nv, h = spec.kv_heads, spec.heads, spec.hidden
+    r = nv // nk
+    q, k, v = sd.pop(p + "in_proj_qkv.weight").split([nk * d, nk * d, nv * d], 0)
+    z, b, a = sd.pop(p + "in_proj_z.weight"), sd.pop(p + "in_proj_b.weight"), sd.pop(p + "in_proj_a.weight")
+    groups = [t.reshape(nk, -1, h) for t in (q, k, v, z)]
+    sd[p + "in_proj_qkvz.weight"] = torch.cat(groups, 1).reshape(-1, h).contiguous()
+    sd[p + "in_proj_ba.weight"] = torch.cat([b.reshape(nk, r, h), a.reshape(nk, r, h)], 1).reshape(-1, h).contiguous()
+
+
+def build_qwen3_next_weights(spec) -> dict[str, torch.Tensor]:
+    from .tiny import build_qwen3_5_weights
+
+    sd = build_qwen3_5_weights(spec)
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    init, m = _init(g), QWEN3_NEXT_MOE
+    blocks = sorted({k[: k.index("mlp.")] for k in sd if ".mlp." in k})
+    for p in blocks:
+        for k in [k for k in sd if k.startswith(p + "mlp.")]:
+            del sd[k]
+        mlp = p + "mlp."
+        sd[mlp + "gate.weight"] = init(m["num_experts"], spec.hidden, std=0.1)
+        for e in range(m["num_experts"]):
+            sd.update(_mlp(f"{mlp}experts.{e}.", spec.hidden, m["moe_intermediate_size"], init))
+        sd.update(_mlp(mlp + "shared_expert.", spec.hidden, m["shared_expert_intermediate_size"], init))
+        sd[mlp + "shared_expert_gate.weight"] = init(1, spec.hidden, std=0.1)
+    for p in sorted({k[: k.index("linear_attn.") + len("linear_attn.")] for k in sd if "linear_attn." in k}):
+        _fuse_gdn(sd, p, spec)
+    return {k: t.contiguous() for k, t in sd.items()}
+
+
+def qwen3_next_hf_config(spec, tokenizer) -> dict:
+    from .tiny import qwen3_5_hf_config
+
+    cfg = qwen3_5_hf_config(spec, tokenizer)
+    n = cfg.pop("mtp_num_hidden_layers")
+    return {**cfg, **QWEN3_NEXT_MOE, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_nextn_predict_layers": n}
+
+
+BUILDERS = {"deepseek_v3": (build_deepseek_v3_weights, deepseek_v3_hf_config),
+            "glm4_moe": (build_glm4_moe_weights, glm4_moe_hf_config),
+            "qwen3_next": (build_qwen3_next_weights, qwen3_next_hf_config)}
+
+
 def build_moe_weights(spec) -> dict[str, torch.Tensor]:
-    return {"deepseek_v3": build_deepseek_v3_weights, "glm4_moe": build_glm4_moe_weights}[spec.family](spec)
+    return BUILDERS[spec.family][0](spec)
 
 
 def moe_hf_config(spec, tokenizer) -> dict:
-    return {"deepseek_v3": deepseek_v3_hf_config, "glm4_moe": glm4_moe_hf_config}[spec.family](spec, tokenizer)
+    return BUILDERS[spec.family][1](spec, tokenizer)

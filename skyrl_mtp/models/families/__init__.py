@@ -14,8 +14,9 @@ from .deepseek_v3 import DEEPSEEK_V3
 from .glm4_moe import GLM4_MOE
 from .mimo import MIMO
 from .qwen3_5 import QWEN3_5
+from .qwen3_next import QWEN3_NEXT
 
-FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3, GLM4_MOE)
+FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT)
 
 
 def family_for_config(hf_cfg: dict) -> ModelFamily:

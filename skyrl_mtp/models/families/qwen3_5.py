@@ -124,7 +124,8 @@ class Qwen35Args:
 
 
 def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
-                       deterministic: bool = True):
+                       deterministic: bool = True, **extra):
+    """The TransformerConfig of ``args``; ``extra``: fields a derived family adds (Qwen3-Next's MoE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -146,6 +147,7 @@ def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dt
         linear_num_value_heads=args.linear_num_value_heads,
         deterministic_mode=deterministic,
         **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
+        **extra,
     )
 
 
@@ -214,8 +216,10 @@ class Qwen35Family(ModelFamily):
                                   "across MTP layers and vLLM drafts with layer 0 only; allowed: 0 or 1")
         deterministic = enable_torch_gated_delta_net()
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype,
-                                    deterministic=deterministic)
-        gdn, attn, backend = _layer_specs()
+                                    deterministic=deterministic,
+                                    **self._extra_config(args, ep=ep, moe_dispatcher=moe_dispatcher,
+                                                         moe_aux_loss_coeff=moe_aux_loss_coeff))
+        gdn, attn, backend = self._layer_specs(config)
         block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in args.layer_types],
                                            layer_norm=OffsetRMSNorm)
         mtp_spec = get_gpt_mtp_block_spec_for_backend(config, attn, backend) if mtp_num_layers > 0 else None
@@ -233,6 +237,14 @@ class Qwen35Family(ModelFamily):
             mtp_block_spec=mtp_spec,
         )
         return model.to(check_dtype(dtype))
+
+    def _extra_config(self, args: Qwen35Args, *, ep: int, moe_dispatcher: str, moe_aux_loss_coeff: float) -> dict:
+        """TransformerConfig fields beyond the dense model's (none here; MoE in qwen3_next.py)."""
+        return {}
+
+    def _layer_specs(self, config):
+        """(Gated DeltaNet layer spec, full-attention layer spec, backend): the layers' MLPs are dense here."""
+        return _layer_specs()
 
     # ------------------------------------------------------------------ weights
     def _mlp_rules(self, args: Qwen35Args, mg: str, hf: str) -> dict[str, WeightRule]:

@@ -22,7 +22,7 @@ from skyrl_mtp.models.tiny_moe import DEEPSEEK_V3_MOE
 from skyrl_mtp.policy.megatron.hf_bridge import hf_to_megatron, megatron_to_hf, name_map
 from skyrl_mtp.policy.megatron.weight_export import export_plan
 
-MOE_SPECS = {"deepseek_v3": dict(mtp_layers=2), "glm4_moe": dict(mtp_layers=2)}
+MOE_SPECS = {"deepseek_v3": dict(mtp_layers=2), "glm4_moe": dict(mtp_layers=2), "qwen3_next": dict(layers=4)}
 
 
 class _Tok:
@@ -177,3 +177,45 @@ def test_glm4_moe_is_picked_parsed_and_round_trips():
         assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf), (tp, ep)
     with pytest.raises(ModelBuildError, match="megatron.tp=2 with a glm4_moe"):
         GLM4_MOE.check_parallel(a, tp=2, ep=1)
+
+
+def test_qwen3_next_is_picked_parsed_and_round_trips():
+    from skyrl_mtp.models.families.qwen3_next import QWEN3_NEXT, Qwen3NextArgs
+
+    cfg = cfg_of("qwen3_next")
+    assert family_for_config(cfg) is QWEN3_NEXT
+    a = Qwen3NextArgs.from_hf_config(cfg)
+    assert a.family is QWEN3_NEXT and a.layer_types == ("linear_attention", "full_attention") * 2
+    assert (a.num_nextn_predict_layers, a.moe.score_function, a.moe.shared_expert_gate, a.moe.expert_bias) == (
+        1, "softmax", True, False)
+    hf = varied("qwen3_next")
+    assert mtp_hf_names(hf) == {k for k in hf if k.startswith("mtp.")}
+    for tp, ep in [(1, 1), (2, 1), (1, 2)]:
+        shards = [hf_to_megatron(hf, a, 1, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep)
+                  for e in range(ep) for t in range(tp)]
+        back = megatron_to_hf(shards, a, 1, ep_size=ep)
+        assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf), (tp, ep)
+    gate = f"mtp.layers.0.{mtp_inner_layer_name()}.mlp.shared_experts.gate_weight"   # megatron's shared-expert gate
+    assert torch.equal(hf_to_megatron(hf, a, 1)[gate], hf["mtp.layers.0.mlp.shared_expert_gate.weight"])
+    with pytest.raises(ModelBuildError, match="decoder_sparse_step=2"):
+        Qwen3NextArgs.from_hf_config({**cfg, "decoder_sparse_step": 2})
+
+
+def test_qwen3_next_fused_gdn_projection_per_tp_rank():
+    """Megatron's in_proj on TP rank 1 = that rank's q, k, v, z, b, a, taken from the key-head groups it owns in
+    Qwen3-Next's per-group fused in_proj_qkvz / in_proj_ba."""
+    from skyrl_mtp.models.families.qwen3_next import Qwen3NextArgs
+
+    a = Qwen3NextArgs.from_hf_config(cfg_of("qwen3_next"))
+    hf = varied("qwen3_next")
+    h = "model.layers.0.linear_attn."
+    nk, hk, nv, hv = a.linear_num_key_heads, a.linear_key_head_dim, a.linear_num_value_heads, a.linear_value_head_dim
+    r = nv // nk
+    groups = hf[h + "in_proj_qkvz.weight"].reshape(nk, 2 * hk + 2 * r * hv, -1)
+    ba = hf[h + "in_proj_ba.weight"].reshape(nk, 2 * r, -1)
+    mine = groups[nk // 2:]   # rank 1 of 2: the second half of the key-head groups
+    q, k, v, z = mine.split([hk, hk, r * hv, r * hv], 1)
+    b, a_ = ba[nk // 2:].split([r, r], 1)
+    want = torch.cat([t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a_)])
+    got = hf_to_megatron(hf, a, 1, tp_rank=1, tp_size=2)["decoder.layers.0.self_attention.in_proj.weight"]
+    assert torch.equal(got, want)
