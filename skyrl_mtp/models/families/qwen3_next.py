@@ -9,7 +9,8 @@ Differences from Qwen3.5 dense, in the checkpoint (vLLM qwen3_next.py, transform
   tensor-parallel rank owns whole groups of both;
 - MLPs: ``mlp.gate`` (router), ``mlp.experts.{e}.*``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``
   (megatron-core's ``moe_shared_expert_gate``);
-- the MTP layer count is ``num_nextn_predict_layers``.
+- the MTP layer count is ``num_nextn_predict_layers`` (released checkpoints write ``mtp_num_hidden_layers``;
+  vLLM's drafter reads the first and defaults to 1: either is read here).
 vLLM's drafter (qwen3_next_mtp.py) feeds the MTP layer as Qwen3.5's does (post-norm target state, no zeroing at
 position 0) and ignores ``spec_step_idx``: one layer at every depth whatever the runner.
 """
@@ -52,7 +53,7 @@ class Qwen3NextArgs(Qwen35Args):
         moe.check("Qwen3-Next")
         base = Qwen35Args.from_hf_config(cfg)
         values = {f.name: getattr(base, f.name) for f in fields(Qwen35Args)}
-        values["num_nextn_predict_layers"] = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+        values["num_nextn_predict_layers"] = QWEN3_NEXT.declared_mtp_layers(cfg)
         return cls(**values, moe=moe)
 
 
@@ -89,6 +90,10 @@ class Qwen3NextFamily(Qwen35Family):
 
     def args_from_config(self, hf_cfg: dict) -> Qwen3NextArgs:
         return Qwen3NextArgs.from_hf_config(hf_cfg)
+
+    def declared_mtp_layers(self, hf_cfg: dict) -> int:
+        n = hf_cfg.get("num_nextn_predict_layers", hf_cfg.get("mtp_num_hidden_layers")) or 0
+        return n if isinstance(n, int) else 0
 
     def check_parallel(self, args: Qwen3NextArgs, *, tp: int, ep: int) -> None:
         check_moe_parallel(self.name, args.moe, tp=tp, ep=ep)

@@ -74,6 +74,9 @@ def run_megatron_optimizer_rank(rank, world, port, ckpt, cfg_kwargs, batches, ck
     out["shard_numel"] = {"policy": shard_numel(meg.policy_side), "head": shard_numel(meg.head_side)}
     out["numel"] = {"policy": sum(p.numel() for p in meg.policy_params),
                     "head": sum(p.numel() for p in meg.head_params)}
+    out["expert_numel"] = {side: sum(p.numel() for p in params if not getattr(p, "allreduce", True))
+                           for side, params in (("policy", meg.policy_params), ("head", meg.head_params))}
+    out["experts"] = {n for n, p in meg.model.named_parameters() if not getattr(p, "allreduce", True)}
     resumed = build(True)
     resumed.load_checkpoint(ckpt_dir)
     resumed.train_step(shard(batches[-1]), "dapo", {})

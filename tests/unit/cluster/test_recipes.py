@@ -56,7 +56,7 @@ def user_overrides(recipe: str, tmp: Path) -> list[str]:
 
 
 def test_the_cluster_recipes_exist():
-    assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo"} <= set(RECIPES)
+    assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -69,7 +69,8 @@ def test_recipe_validates_with_user_paths(recipe, tmp_path):
         assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == cfg.trainer.mtp.num_speculative_tokens
 
 
-@pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo"])
+@pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo",
+                                    "glm4_5_air_dapo"])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -92,7 +93,49 @@ HARDWARE = [
     ("mimo7b_searchr1", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3_5_9b_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3next_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
+    ("glm4_5_air_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
 ]
+
+# config.json fields of the MoE recipes' checkpoints (the released models' shapes)
+MOE_MODELS = {
+    "qwen3next_dapo": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "intermediate_size": 5120, "vocab_size": 151936, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "partial_rotary_factor": 0.25, "rope_theta": 10000000, "mtp_num_hidden_layers": 1},
+    "glm4_5_air_dapo": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+        "num_nextn_predict_layers": 1, "vocab_size": 151552, "rope_theta": 1000000, "rms_norm_eps": 1e-5},
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(MOE_MODELS))
+def test_moe_recipes_layout_is_one_their_model_family_trains(recipe, tmp_path):
+    """The launcher's pre-Ray check on the real model's shapes: the family accepts the recipe's tp / ep, refuses
+    tensor parallelism (MoE training needs sequence parallelism there)."""
+    import json
+
+    from skyrl_mtp.models.families import ModelBuildError, family_for_config
+    from skyrl_mtp.trainer.launch import check_parallel_layout
+
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(MOE_MODELS[recipe]))
+    overrides = [o for o in user_overrides(recipe, tmp_path) if not o.startswith("model.path=")]
+    cfg = load_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}"])
+    assert family_for_config(MOE_MODELS[recipe]).declared_mtp_layers(MOE_MODELS[recipe]) == 1
+    assert cfg.megatron.tp == 1 and cfg.megatron.ep > 1
+    check_parallel_layout(cfg, ckpt)
+    with pytest.raises(ModelBuildError, match="megatron.tp=2 with a"):
+        check_parallel_layout(load_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}", "megatron.tp=2",
+                                           "megatron.dp=16"]), ckpt)
 
 
 @pytest.mark.parametrize("recipe, nodes, gpus, k", HARDWARE)
