@@ -43,6 +43,12 @@ def mtp_hf_names(names) -> set[str]:
     return set().union(*(f.mtp_hf_names(names) for f in FAMILIES))
 
 
+def unsynced_hf_names(names) -> set[str]:
+    """Those of a checkpoint's tensor names a weight sync neither sends nor needs, in any family's layout."""
+    names = list(names)
+    return set().union(*(f.unsynced_hf_names(names) for f in FAMILIES))
+
+
 def checkpoint_mtp_layers(hf_cfg: dict) -> tuple[str, int]:
     """(config key, MTP layers) an HF config declares, read the way its family names them (MiMo:
     num_nextn_predict_layers, Qwen3.5: mtp_num_hidden_layers); configs of no supported family are read
@@ -97,5 +103,5 @@ def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
 
 __all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "MTPReplayInputs", "WeightMappingError", "WeightRule",
            "FAMILY_ENV", "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
-           "mtp_hf_names", "prepare_vllm_worker", "read_hf_config",
+           "mtp_hf_names", "prepare_vllm_worker", "read_hf_config", "unsynced_hf_names",
            "serving_family"]

@@ -279,6 +279,11 @@ class ModelFamily:
         layers by what they contain) that belong to its MTP head."""
         return {n for n in names if n.startswith(self.hf_mtp_prefixes)} if self.hf_mtp_prefixes else set()
 
+    def unsynced_hf_names(self, names: Collection[str]) -> set[str]:
+        """Those of a checkpoint's tensor ``names`` a weight sync neither sends nor needs: tensors the model does
+        not build and vLLM does not use (e.g. DeepSeek MTP layers' copies of the shared embedding / lm_head)."""
+        return set()
+
     def matches(self, hf_cfg: dict) -> bool:
         archs = set(hf_cfg.get("architectures") or ())
         if archs:

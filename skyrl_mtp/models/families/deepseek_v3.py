@@ -43,6 +43,7 @@ from .moe_common import (
     MoEArgs,
     check_moe_parallel,
     deepseek_style_ignorable,
+    deepseek_style_mtp_copies,
     deepseek_style_mtp_hf_names,
     deepseek_style_mtp_rules,
     dense_mlp_rules,
@@ -175,6 +176,9 @@ class DeepseekV3Family(ModelFamily):
 
     def mtp_hf_names(self, names) -> set[str]:
         return deepseek_style_mtp_hf_names(names)
+
+    def unsynced_hf_names(self, names) -> set[str]:
+        return deepseek_style_mtp_copies(names)
 
     def check_parallel(self, args: DeepseekV3Args, *, tp: int, ep: int) -> None:
         check_moe_parallel(self.name, args.moe, tp=tp, ep=ep)

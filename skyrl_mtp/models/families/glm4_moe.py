@@ -38,6 +38,7 @@ from .moe_common import (
     MoEArgs,
     check_moe_parallel,
     deepseek_style_ignorable,
+    deepseek_style_mtp_copies,
     deepseek_style_mtp_hf_names,
     deepseek_style_mtp_rules,
     dense_mlp_rules,
@@ -129,6 +130,9 @@ class Glm4MoeFamily(ModelFamily):
 
     def mtp_hf_names(self, names) -> set[str]:
         return deepseek_style_mtp_hf_names(names)
+
+    def unsynced_hf_names(self, names) -> set[str]:
+        return deepseek_style_mtp_copies(names)
 
     def check_parallel(self, args: Glm4MoeArgs, *, tp: int, ep: int) -> None:
         check_moe_parallel(self.name, args.moe, tp=tp, ep=ep)

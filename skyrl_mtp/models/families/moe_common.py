@@ -207,6 +207,14 @@ def deepseek_style_mtp_layer_indices(names) -> set[int]:
     return out
 
 
+def deepseek_style_mtp_copies(names) -> set[str]:
+    """The MTP layers' copies of the embedding / lm_head: vLLM's drafter shares the target's, the policy shares
+    its own, so a weight sync leaves them alone."""
+    names = list(names)
+    layers = deepseek_style_mtp_layer_indices(names)
+    return {f"model.layers.{i}.{c}" for i in layers for c in MTP_COPIES} & set(names)
+
+
 def deepseek_style_mtp_hf_names(names) -> set[str]:
     names = list(names)
     layers = deepseek_style_mtp_layer_indices(names)

@@ -219,3 +219,33 @@ def test_qwen3_next_fused_gdn_projection_per_tp_rank():
     want = torch.cat([t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a_)])
     got = hf_to_megatron(hf, a, 1, tp_rank=1, tp_size=2)["decoder.layers.0.self_attention.in_proj.weight"]
     assert torch.equal(got, want)
+
+
+def test_weight_sync_parts_of_a_deepseek_style_checkpoint_leave_the_mtp_copies_alone():
+    """A released DeepSeek-V3 / GLM-4.5 checkpoint carries, in each MTP layer, copies of the embedding and lm_head;
+    vLLM's drafter uses the target's, the policy never exports them: neither sync part carries them."""
+    from skyrl_mtp.rollout.weight_sync import part_names
+
+    names = list(varied("deepseek_v3")) + ["model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"]
+    main, draft = part_names(names, "main"), part_names(names, "draft")
+    copies = {"model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"}
+    assert not copies & (set(main) | set(draft)) and set(main) | set(draft) | copies == set(names)
+    assert set(draft) == {n for n in names if n.startswith(("model.layers.2.", "model.layers.3."))} - copies
+    assert "model.embed_tokens.weight" in main and "lm_head.weight" in main
+
+
+def test_megatron_no_te_fixes_check_their_targets(monkeypatch):
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    from skyrl_mtp.models.families import megatron_no_te
+
+    assert megatron_no_te.fix_megatron_without_te() == ["multi_latent_attention.HAVE_TE=False",
+                                                        "moe_utils.te_general_gemm=None"]
+    assert mla.HAVE_TE is False and moe_utils.te_general_gemm is None
+    assert megatron_no_te.fix_megatron_without_te() == ["multi_latent_attention.HAVE_TE=False",
+                                                        "moe_utils.te_general_gemm=None"]   # once
+    monkeypatch.setattr(megatron_no_te, "_FIXED", [])
+    monkeypatch.setattr(megatron_no_te, "_source", lambda module: "")   # the code it corrects has moved
+    with pytest.raises(ModelBuildError, match="megatron-core changed where skyrl_mtp corrects"):
+        megatron_no_te.fix_megatron_without_te()
