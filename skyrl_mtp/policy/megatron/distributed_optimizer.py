@@ -197,6 +197,10 @@ class ParamGroupsView(torch.optim.Optimizer):
     def param_groups(self) -> list[dict]:
         return [g for o in self._optimizers for g in o.param_groups]
 
+    @property
+    def state(self) -> dict:
+        return {p: st for o in self._optimizers for p, st in o.state.items()}
+
     def step(self, closure=None):
         raise MegatronOptimizerError("ParamGroupsView is stepped through MegatronSideOptimizer.step")
 
