@@ -193,11 +193,16 @@ def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
 
     m = cfg.megatron
     tp, dp, rows, pbytes = int(m.tp), int(m.dp), int(m.micro_batch_size), DTYPE_BYTES[str(m.dtype)]
+    ep = int(m.ep)
     head = bool(cfg.trainer.mtp.enabled) and shape.mtp_layers > 0
     trunk = shape.params_sharded // tp + shape.params_replicated
     mtp = (shape.mtp_params_sharded // tp + shape.mtp_params_replicated) if head else 0
-    params = trunk + mtp                       # the head has its own grad buffer and optimizer, same layout
+    # routed experts: ep ranks share them out, and their optimizer state is sharded over the expert data-parallel
+    # group (the tp * dp / ep ranks holding the same experts)
+    experts = shape.expert_params // ep + (shape.mtp_expert_params // ep if head else 0)
+    params = trunk + mtp + experts             # the head has its own grad buffer and optimizer, same layout
     master = 4 if pbytes != 4 else 0           # fp32 params are their own master copy
+    expert_dp = max(tp * dp // ep, 1)
     seq = train_sequence_length(cfg)
     depths = train_depths(cfg) if head else 0
     kw = dict(rows=rows, seq=seq, tp=tp, flash=flash, act_bytes=pbytes,
@@ -209,8 +214,9 @@ def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
         chunk = chunk_tokens(m.mtp_loss_chunk_size, shape.vocab // tp) or draft_tokens
         draft = draft_loss_bytes(shape, draft_tokens=draft_tokens, chunk=chunk, tp=tp, act_bytes=pbytes, depths=depths,
                                  rows=rows, seq=seq, flash=flash)
-    return PolicyMemory(weights=params * pbytes, grads=params * 4, optimizer=params * (master + 8) // dp,
-                        master_weights=params * master // dp,
+    return PolicyMemory(weights=params * pbytes, grads=params * 4,
+                        optimizer=(trunk + mtp) * (master + 8) // dp + experts * (master + 8) // expert_dp,
+                        master_weights=(trunk + mtp) * master // dp + experts * master // expert_dp,
                         activations=with_rc if bool(m.recompute_activations) else without,
                         activations_no_recompute=without, activations_recompute=with_rc,
                         logits=logits_bytes(shape, tokens=rows * seq, tp=tp, act_bytes=pbytes), draft_loss=draft)
@@ -219,6 +225,8 @@ def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
 def kv_bytes_per_token(shape: Any, *, tp: int, kv_bytes: int, drafter: bool) -> int:
     """K and V of every attention layer (the drafter's MTP layers too) for one token, on one GPU of an engine."""
     layers = shape.attention_layers + (shape.mtp_layers if drafter else 0)
+    if shape.kv_cache_width:
+        return layers * shape.kv_cache_width * kv_bytes
     return 2 * layers * max(shape.kv_heads // tp, 1) * shape.head_dim * kv_bytes
 
 
@@ -237,8 +245,10 @@ def engine_memory(shape: Any, cfg: Any) -> EngineMemory:
     # a step of `batched` tokens through one layer at a time, and the sampler's fp32 logits (and probabilities) of
     # every running sequence's k + 1 verified positions over the whole vocabulary
     act = batched * (4 * shape.hidden + 3 * shape.intermediate // tp) * ebytes + seqs * (k + 1) * shape.vocab * 4 * 2
-    return EngineMemory(weights=(shape.params_sharded // tp + shape.params_replicated) * ebytes,
-                        drafter=(shape.mtp_params_sharded // tp + shape.mtp_params_replicated) * ebytes if drafter else 0,
+    # vLLM's tensor parallelism shards the routed experts too
+    return EngineMemory(weights=((shape.params_sharded + shape.expert_params) // tp + shape.params_replicated) * ebytes,
+                        drafter=((shape.mtp_params_sharded + shape.mtp_expert_params) // tp
+                                 + shape.mtp_params_replicated) * ebytes if drafter else 0,
                         kv_cache=kv, activations=act, cuda_graphs=0 if bool(g.enforce_eager) else CUDA_GRAPHS,
                         kv_tokens=max(kv - linear_state, 0) // per_token)
 

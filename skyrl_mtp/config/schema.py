@@ -202,6 +202,12 @@ class MegatronConfig:
     cp: int = 1
     # data-parallel size: each step's sequences are split over dp ranks
     dp: int = 1
+    # expert parallel size for mixture-of-experts models: the routed experts are spread over groups of ep
+    # ranks (each holds n_experts / ep of them); ep divides tp * dp. Dense models: 1.
+    ep: int = 1
+    # > 0: megatron-core's sequence-level router load-balancing loss (DeepSeek-V3's) at this coefficient, on
+    # the trunk's routers (part of the policy update) and the MTP layers' (part of the draft loss only)
+    moe_aux_loss_coeff: float = 0.0
     # sequences per forward/backward of a policy rank; gradients accumulate over a mini-batch's micro-batches
     micro_batch_size: int = 4
     # parameter dtype of the policy (on GPUs bf16 trains with fp32 main gradients)
@@ -328,7 +334,7 @@ class AlgorithmConfig:
 class TinyModelConfig:
     """Build the embedded tiny model when `model.path` is null (architecture: `family`)."""
 
-    family: str = "mimo"  # model family of the tiny model: "mimo" or "qwen3_5" (hybrid Gated DeltaNet)
+    family: str = "mimo"  # model family of the tiny model: "mimo", "qwen3_5" (hybrid Gated DeltaNet), "deepseek_v3" (MLA + MoE)
     hidden: int = 128          # hidden size
     layers: int = 2            # decoder layers
     heads: int = 4             # attention heads (hidden / heads is the head size)

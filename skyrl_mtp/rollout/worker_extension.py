@@ -1,8 +1,9 @@
 """Methods vLLM mixes into its worker (`worker_extension_cls`), and what must run in every worker process.
 
 Importing this module (vLLM does, in each worker, before the model loads) installs the CPU sampling
-fixes and registers the project's CPU weight transport in vLLM's factory, which builds the worker's
-weight-transfer engine by name at model load. Weights themselves arrive through vLLM's weight-transfer
+fixes and the CPU MoE repack after weight reloads (vllm_patches/moe_cpu_repack.py), and registers the
+project's CPU weight transport in vLLM's factory, which builds the worker's weight-transfer engine by name
+at model load. Weights themselves arrive through vLLM's weight-transfer
 API (`init_weight_transfer_engine`, `start_weight_update` / `start_draft_weight_update`,
 `update_weights`, `finish_weight_update`); `skyrl_check_reload_api` checks at engine start that the
 worker has that API and a transfer engine, the MTP drafter included, and fails loudly otherwise.
@@ -31,6 +32,13 @@ DRAFT_INVARIANT_SAMPLING_STATUS = "not_cpu"
 if not torch.cuda.is_available():
     CPU_SAMPLING_FIX_STATUS = apply_if_needed(SETTINGS.cpu_sampling_fix)
     DRAFT_INVARIANT_SAMPLING_STATUS = draft_invariant_sampling.apply_if_enabled(SETTINGS.draft_invariant_sampling)
+
+# Same place: vLLM-CPU's MoE experts prepack their weights at load; a weight update must prepack them again.
+MOE_CPU_REPACK_STATUS = "not_cpu"
+if not torch.cuda.is_available():
+    from skyrl_mtp.vllm_patches import moe_cpu_repack
+
+    MOE_CPU_REPACK_STATUS = moe_cpu_repack.apply()
 
 _WEIGHT_TRANSFER_API = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
                         "update_weights", "finish_weight_update", "get_draft_model")
@@ -79,6 +87,7 @@ class WeightSyncExtension:
                 "weight_transfer_engine": type(engine).__name__,
                 "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
                 "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
+                "moe_cpu_repack": MOE_CPU_REPACK_STATUS,
                 "vllm_kernel_build": _kernel_build(),
                 "thread_affinity": sorted(os.sched_getaffinity(0))}   # of the thread that runs the model
 

@@ -39,7 +39,7 @@ def latest_common_checkpoint(a: Path, b: Path) -> str | None:
 def compare_policy_runs(a: Path, b: Path, draft_metrics: bool = False) -> tuple[list[str], dict]:
     from safetensors.torch import load_file
 
-    from skyrl_mtp.models.families import is_mtp_hf_name
+    from skyrl_mtp.models.families import mtp_hf_names
 
     problems: list[str] = []
     ma, mb = policy_metrics(a, draft_metrics), policy_metrics(b, draft_metrics)
@@ -58,7 +58,8 @@ def compare_policy_runs(a: Path, b: Path, draft_metrics: bool = False) -> tuple[
     else:
         wa = load_file(str(a / "checkpoints" / ckpt / "hf" / "model.safetensors"))
         wb = load_file(str(b / "checkpoints" / ckpt / "hf" / "model.safetensors"))
-        trunk = sorted(k for k in wa if not is_mtp_hf_name(k))   # every family's MTP layout
+        head = mtp_hf_names(wa)
+        trunk = sorted(k for k in wa if k not in head)   # every family's MTP layout
         if set(wa) != set(wb):
             problems.append(f"{ckpt}: tensor names differ")
         for name in trunk:

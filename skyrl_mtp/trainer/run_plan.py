@@ -43,7 +43,9 @@ def policy_worker_config(cfg: DictConfig, memory: MemoryPlan | None = None):
     po, ho = m.policy_optimizer, m.head_optimizer
     enabled = bool(mtp.enabled)
     return PolicyWorkerConfig(
-        tp=int(m.tp), pp=int(m.pp), dp=int(m.dp), mtp_enabled=enabled,
+        tp=int(m.tp), pp=int(m.pp), dp=int(m.dp), ep=int(m.ep), moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
+        draft_runner=str(cfg.generator.model_runner),
+        mtp_enabled=enabled,
         mtp_num_layers=(m.mtp_num_layers if enabled else 0), mtp_num_depths=train_depths(cfg),
         mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if enabled else 0.0,
         mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=m.mtp_loss_chunk_size,

@@ -121,13 +121,18 @@ def part_names(names: Collection[str], part: str) -> list[str]:
     """The names one part of a sync carries (the policy's `iter_hf_weights(part)` streams): "main" =
     everything but the MTP layers; "draft" = the MTP layers. vLLM's MTP drafter shares the target's
     embedding and lm_head modules (spec_decode/llm_base_proposer.py, pipeline size 1), so the main part
-    refreshes those for it; the drafter's layerwise reload puts back what it was not sent."""
-    from skyrl_mtp.models.families import is_mtp_hf_name
+    refreshes those for it; the drafter's layerwise reload puts back what it was not sent. Tensors neither part
+    carries (``unsynced_hf_names``: e.g. DeepSeek MTP layers' copies of the embedding and lm_head, which vLLM's
+    drafter replaces by the target's) are left out of both."""
+    from skyrl_mtp.models.families import mtp_hf_names, unsynced_hf_names
 
+    skip = unsynced_hf_names(names)
+    names = [n for n in names if n not in skip]
+    mtp = mtp_hf_names(names)
     if part == "main":
-        return [n for n in names if not is_mtp_hf_name(n)]
+        return [n for n in names if n not in mtp]
     if part == "draft":
-        return [n for n in names if is_mtp_hf_name(n)]
+        return [n for n in names if n in mtp]
     raise ValueError(f"weight-sync part {part!r} is invalid; allowed: {PARTS}")
 
 

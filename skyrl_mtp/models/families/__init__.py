@@ -17,10 +17,13 @@ from skyrl_mtp.models.families.base import (
     WeightMappingError,
     WeightRule,
 )
+from skyrl_mtp.models.families.deepseek_v3 import DEEPSEEK_V3
+from skyrl_mtp.models.families.glm4_moe import GLM4_MOE
 from skyrl_mtp.models.families.mimo import MIMO
 from skyrl_mtp.models.families.qwen3_5 import QWEN3_5
+from skyrl_mtp.models.families.qwen3_next import QWEN3_NEXT
 
-FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5)
+FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT)
 
 
 def family_for_config(hf_cfg: dict) -> ModelFamily:
@@ -40,9 +43,17 @@ def serving_family(hf_dir: str | Path) -> ModelFamily | None:
     return next((f for f in FAMILIES if f.matches(cfg)), None)
 
 
-def is_mtp_hf_name(name: str) -> bool:
-    """Whether an HF tensor name belongs to an MTP head, in any supported family's layout."""
-    return any(f.is_mtp_hf_name(name) for f in FAMILIES)
+def mtp_hf_names(names) -> set[str]:
+    """Those of a checkpoint's tensor names (all of them) that belong to an MTP head, in any supported
+    family's layout (MiMo ``model.mtp_layers.*``, Qwen3.5 ``mtp.*``, DeepSeek-V3 ``model.layers.{N+j}.*``)."""
+    names = list(names)
+    return set().union(*(f.mtp_hf_names(names) for f in FAMILIES))
+
+
+def unsynced_hf_names(names) -> set[str]:
+    """Those of a checkpoint's tensor names a weight sync neither sends nor needs, in any family's layout."""
+    names = list(names)
+    return set().union(*(f.unsynced_hf_names(names) for f in FAMILIES))
 
 
 def checkpoint_mtp_layers(hf_cfg: dict) -> tuple[str, int]:
@@ -95,7 +106,7 @@ def family_for_checkpoint(hf_dir: str | Path) -> ModelFamily:
 
 __all__ = ["FAMILIES", "ModelBuildError", "ModelFamily", "ModelShape", "MTPReplayInputs", "WeightMappingError", "WeightRule",
            "checkpoint_mtp_layers", "engine_kwargs_for_family", "family_by_name", "family_for_checkpoint", "family_for_config",
-           "is_mtp_hf_name", "prepare_vllm_worker", "read_hf_config",
+           "mtp_hf_names", "prepare_vllm_worker", "read_hf_config", "unsynced_hf_names",
            "serving_family"]
 
 

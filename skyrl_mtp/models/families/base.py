@@ -5,18 +5,28 @@ its vLLM engines need.
 Everything family-specific lives in a subclass of ``ModelFamily``; the policy, the bridge, the draft-loss
 replay and the engines ask the family of the checkpoint they were given (``families.family_for_config``).
 
-A Megatron parameter is mapped by a ``WeightRule``: the HF tensors it is made of, the dimension along
-which a tensor-parallel rank reads a contiguous chunk of each of them (None: the whole tensor), and the
-two conversions (rank-local HF chunks -> that rank's Megatron shard; every rank's shard -> full HF
-tensors). A lazy TP-shard reader can load a rank's shard without materialising the whole checkpoint.
+A Megatron parameter (or mapped buffer, e.g. a router's expert bias) is mapped by a ``WeightRule``: the
+HF tensors it is made of, the dimension along which a tensor-parallel rank reads a contiguous chunk of
+each of them (None: the whole tensor), and the two conversions (rank-local HF chunks -> that rank's
+Megatron shard; every rank's shard -> full HF tensors). A lazy TP-shard reader can load a rank's shard
+without materialising the whole checkpoint.
+
+Routed experts add an expert dimension: a family names each expert's parameters with its GLOBAL index
+(``...experts.local_experts.{e}.linear_fc1.weight``) and marks the rule with ``expert=e``; under expert
+parallelism each rank builds only its ``num_experts / ep`` experts, numbered locally from 0 (Megatron's
+``SequentialMLP``), and ``rules_for_expert_rank`` selects and renames that rank's rules. Expert weights are
+not tensor-parallel (expert tensor parallel size 1): their ``shard_dims`` are None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 
 import torch
+
+from skyrl_mtp.allowed import MODEL_RUNNERS
 
 
 class ModelBuildError(ValueError):
@@ -39,6 +49,46 @@ class WeightRule:
     shard_dims: tuple[int | None, ...]  # per HF name: the TP chunk dimension a rank reads (None = whole)
     to_megatron: Callable[[Tensors, int, int], torch.Tensor]  # (rank-local HF pieces, tp_rank, tp_size)
     to_hf: Callable[[Tensors], Tensors]  # (every TP rank's shard, by rank) -> full HF tensors
+    expert: int | None = None  # the routed expert (global index) this parameter belongs to; None: not an expert
+
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def expert_name(prefix: str, expert: int, suffix: str) -> str:
+    """Megatron name of routed expert ``expert``'s parameter (global index; see ``rules_for_expert_rank``)."""
+    return f"{prefix}local_experts.{expert}.{suffix}"
+
+
+def num_routed_experts(rules: dict[str, WeightRule]) -> int:
+    """Routed experts per MoE layer the rules map (0 for a dense model)."""
+    return 1 + max((r.expert for r in rules.values() if r.expert is not None), default=-1)
+
+
+def rules_for_expert_rank(rules: dict[str, WeightRule], ep_rank: int, ep_size: int) -> dict[str, WeightRule]:
+    """The rules of the parameters expert-parallel rank ``ep_rank`` of ``ep_size`` builds: every non-expert
+    rule, and its contiguous block of ``num_experts / ep_size`` experts renamed to local indices (rank r holds
+    experts r*n .. r*n + n-1 as local_experts.0 .. n-1, Megatron's layout). Order is kept."""
+    n = num_routed_experts(rules)
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} / ep_size={ep_size}: need 0 <= ep_rank < ep_size")
+    if ep_size == 1:
+        return dict(rules)
+    if n == 0:
+        raise WeightMappingError(f"expert parallel size ep={ep_size} needs a model with routed experts; this one has none")
+    if n % ep_size:
+        raise WeightMappingError(f"{n} routed experts are not divisible by expert parallel size ep={ep_size}")
+    per = n // ep_size
+    out = {}
+    for mg, rule in rules.items():
+        if rule.expert is None:
+            out[mg] = rule
+        elif rule.expert // per == ep_rank:
+            found = _LOCAL_EXPERT.findall(mg)
+            if found != [str(rule.expert)]:
+                raise WeightMappingError(f"expert rule {mg!r} must name its expert once as .local_experts.{rule.expert}.")
+            out[_LOCAL_EXPERT.sub(f".local_experts.{rule.expert % per}.", mg)] = rule
+    return out
 
 
 @dataclass(frozen=True)
@@ -47,12 +97,17 @@ class MTPReplayInputs:
 
     hidden: the trunk hidden state depth 1 receives: "pre_norm" (before the final norm) or "post_norm".
     zero_embedding_at_position_0: the drafter zeroes the token embedding where the position id is 0.
-    deeper_hidden: what depth d > 1 receives as its hidden state; "previous_output" = the drafter's
-        output of depth d-1 (its final-normed MTP output), which is what vLLM 0.32's proposer feeds
-        back (llm_base_proposer.py: ``self.hidden_states[:batch_size] = hidden_states``).
-    depth_layer: which MTP layer runs depth d; "first" = layer 0 at every depth (vLLM 0.32's proposer
-        never passes ``spec_step_idx``, so every draft step runs the first MTP layer), "per_depth" =
-        layer d-1 (the last one beyond the layers built).
+    deeper_hidden: what depth d > 1 receives as its hidden state: the drafter's output of depth d-1, which
+        vLLM 0.32's proposer feeds back (llm_base_proposer.py: ``self.hidden_states[:batch_size] =
+        hidden_states``): "previous_output" = that output final-normed (MiMo, Qwen3.5, and DeepSeek-V3,
+        whose MTP layer returns (pre-norm, normed) and the proposer feeds back the second,
+        ``model_returns_tuple``), "previous_pre_norm" = before its final norm (GLM-4.5, whose MTP layer
+        returns the pre-norm state only and applies ``shared_head.norm`` in compute_logits).
+    depth_layer: which MTP layer runs depth d; "first" = layer 0 at every depth (vLLM 0.32's V1
+        proposer, llm_base_proposer.py, never passes ``spec_step_idx``, so every draft step runs the first
+        MTP layer), "per_depth" = layer (d-1) mod num_layers (the V2 runner's multi-module MTP drafter,
+        v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py, passes ``spec_step_idx = d-1`` and the
+        models take it modulo their layer count). ``for_runner`` picks the one a vLLM runner drafts with.
     The concatenation order is fixed by Megatron's eh_proj (embedding first); a family whose HF
     projection concatenates the other way permutes the weight's columns in its WeightRule.
     """
@@ -63,7 +118,7 @@ class MTPReplayInputs:
     depth_layer: str = "first"
 
     def __post_init__(self) -> None:
-        allowed = {"hidden": ("pre_norm", "post_norm"), "deeper_hidden": ("previous_output",),
+        allowed = {"hidden": ("pre_norm", "post_norm"), "deeper_hidden": ("previous_output", "previous_pre_norm"),
                    "depth_layer": ("first", "per_depth")}
         for field, ok in allowed.items():
             if getattr(self, field) not in ok:
@@ -73,7 +128,16 @@ class MTPReplayInputs:
         """Index of the MTP layer that runs ``depth`` (1-based) given ``num_layers`` built layers."""
         if depth < 1 or num_layers < 1:
             raise ValueError(f"depth={depth} / num_layers={num_layers}: both must be >= 1")
-        return 0 if self.depth_layer == "first" else min(depth - 1, num_layers - 1)
+        return 0 if self.depth_layer == "first" else (depth - 1) % num_layers
+
+    def for_runner(self, runner: str, num_layers: int, num_speculative_tokens: int) -> MTPReplayInputs:
+        """The inputs vLLM's ``runner`` ("v1" or "v2") drafts with: V1 runs layer 0 at every depth; V2 uses its
+        multi-module drafter (layer d-1 at depth d) when both the layers and k exceed 1
+        (``SpeculativeConfig.use_multi_module_mtp``), its single-module one (layer 0) otherwise."""
+        if runner not in MODEL_RUNNERS:
+            raise ValueError(f"runner={runner!r} is invalid; allowed: {MODEL_RUNNERS}")
+        multi = runner == "v2" and min(num_layers, num_speculative_tokens) > 1
+        return replace(self, depth_layer="per_depth" if multi else "first")
 
 
 @dataclass(frozen=True)
@@ -101,10 +165,18 @@ class ModelShape:
     linear_value: int = 0          # ... of the value / gate (z) projections
     linear_heads: int = 0          # ... value heads
     linear_state: int = 0          # ... elements of one sequence's recurrent + conv state, over all of them
+    # mixture-of-experts models: the routed experts' parameters (trunk / MTP layers), split over expert-parallel
+    # ranks (expert tensor parallel size 1); `intermediate` is then the MLP width a token runs through
+    expert_params: int = 0
+    mtp_expert_params: int = 0
+    # elements a token keeps per attention layer in vLLM's KV cache when it is not K and V of every kv head: MLA's
+    # compressed latent and rope key (kv_lora_rank + qk_rope_head_dim), the same on every TP rank
+    kv_cache_width: int = 0
 
     @property
     def params(self) -> int:
-        return self.params_sharded + self.params_replicated + self.mtp_params_sharded + self.mtp_params_replicated
+        return (self.params_sharded + self.params_replicated + self.mtp_params_sharded + self.mtp_params_replicated
+                + self.expert_params + self.mtp_expert_params)
 
 
 def chunk(t: torch.Tensor, dim: int | None, rank: int, size: int, what: str = "") -> torch.Tensor:
@@ -231,7 +303,8 @@ class ModelFamily:
     cpu_engine_overrides: dict = {}
     # packed sequences (several segments per row) need every mixer to respect segment boundaries
     supports_packed_sequences: bool = True
-    # HF names of the MTP head's own tensors start with one of these (the draft part of a weight sync)
+    # HF names of the MTP head's own tensors start with one of these (the draft part of a weight sync);
+    # families whose MTP tensors sit elsewhere override ``mtp_hf_names``
     hf_mtp_prefixes: tuple[str, ...] = ()
     # the config.json key giving the number of MTP layers (read in text_config when the config nests one)
     mtp_config_key: str = "num_nextn_predict_layers"
@@ -240,8 +313,15 @@ class ModelFamily:
         n = hf_cfg.get("text_config", hf_cfg).get(self.mtp_config_key) or 0
         return n if isinstance(n, int) else 0
 
-    def is_mtp_hf_name(self, name: str) -> bool:
-        return name.startswith(self.hf_mtp_prefixes)
+    def mtp_hf_names(self, names: Collection[str]) -> set[str]:
+        """Those of a checkpoint's tensor ``names`` (all of them, so that a family can recognise its MTP
+        layers by what they contain) that belong to its MTP head."""
+        return {n for n in names if n.startswith(self.hf_mtp_prefixes)} if self.hf_mtp_prefixes else set()
+
+    def unsynced_hf_names(self, names: Collection[str]) -> set[str]:
+        """Those of a checkpoint's tensor ``names`` a weight sync neither sends nor needs: tensors the model does
+        not build and vLLM does not use (e.g. DeepSeek MTP layers' copies of the shared embedding / lm_head)."""
+        return set()
 
     def matches(self, hf_cfg: dict) -> bool:
         archs = set(hf_cfg.get("architectures") or ())
@@ -252,15 +332,24 @@ class ModelFamily:
     def args_from_config(self, hf_cfg: dict):
         raise NotImplementedError
 
-    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", recompute: bool = False,
+    def check_parallel(self, args, *, tp: int, ep: int) -> None:
+        """Raise ModelBuildError (naming the setting) when the model cannot be built with this layout; called
+        before any distributed set-up. A dense family has no experts to spread: ep must be 1."""
+        if ep != 1:
+            raise ModelBuildError(f"megatron.ep={ep}: a {self.name} model has no routed experts to spread; allowed: 1")
+
+    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
+                    moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
                     transformer_engine: bool | None = None):
-        """A GPTModel for ``args``; model-parallel state must already be initialised. ``recompute``: Megatron's full
-        activation recompute; ``transformer_engine``: the layer spec (megatron_common.use_transformer_engine)."""
+        """A GPTModel for ``args``; model-parallel state must already be initialised. ``moe_dispatcher``:
+        megatron-core's token dispatcher for MoE layers (the device decides: policy/megatron/device.py);
+        ``recompute``: Megatron's full activation recompute; ``transformer_engine``: the layer spec
+        (megatron_common.use_transformer_engine)."""
         raise NotImplementedError
 
     def weight_rules(self, args, mtp_layers: int, *, transformer_engine: bool | None = None) -> dict[str, WeightRule]:
         """Megatron parameter name -> how it is made of HF tensors (names of the layer spec ``build_model`` builds
-        with the same ``transformer_engine``)."""
+        with the same ``transformer_engine``; experts by global index)."""
         raise NotImplementedError
 
     def ignorable_hf_names(self, args, mtp_layers: int, hf: dict) -> set[str]:

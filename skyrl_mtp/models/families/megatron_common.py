@@ -75,6 +75,19 @@ def use_transformer_engine(requested: bool | None = None) -> bool:
     return bool(requested)
 
 
+def set_core_attention(layer_specs, transformer_engine: bool, local=None) -> None:
+    """Every layer spec's core attention: Transformer Engine's fused / flash one (no parameters: the weight names
+    stay the local spec's), else ``local`` (None: keep the spec's own)."""
+    if transformer_engine:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        local = TEDotProductAttention
+    if local is None:
+        return
+    for spec in layer_specs:   # (specs may be shared objects: setting twice is harmless)
+        spec.submodules.self_attention.submodules.core_attention = local
+
+
 @functools.cache
 def te_fused_norm_names() -> dict[str, str]:
     """Where a layer's norms live under Transformer Engine's spec, from megatron-core itself: the local spec's

@@ -121,8 +121,10 @@ class MiMoFamily(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> HFModelArgs:
         return HFModelArgs.from_hf_config(hf_cfg)
 
-    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
+                    dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
                     recompute: bool = False, transformer_engine: bool | None = None):
+        self.check_parallel(args, tp=tp, ep=ep)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_local_spec,

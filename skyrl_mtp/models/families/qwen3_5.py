@@ -126,7 +126,8 @@ class Qwen35Args:
 
 
 def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
-                       deterministic: bool = True, recompute: bool = False):
+                       deterministic: bool = True, recompute: bool = False, **extra):
+    """The TransformerConfig of ``args``; ``extra``: fields a derived family adds (Qwen3-Next's MoE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -148,6 +149,7 @@ def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dt
         linear_num_value_heads=args.linear_num_value_heads,
         deterministic_mode=deterministic,
         **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute),
+        **extra,
     )
 
 
@@ -208,8 +210,10 @@ class Qwen35Family(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> Qwen35Args:
         return Qwen35Args.from_hf_config(hf_cfg)
 
-    def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+    def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
+                    dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
                     recompute: bool = False, transformer_engine: bool | None = None):
+        self.check_parallel(args, tp=tp, ep=ep)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -221,8 +225,10 @@ class Qwen35Family(ModelFamily):
                                   "across MTP layers and vLLM drafts with layer 0 only; allowed: 0 or 1")
         deterministic = enable_torch_gated_delta_net()
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype,
-                                    deterministic=deterministic, recompute=recompute)
-        gdn, attn, backend = _layer_specs(use_transformer_engine(transformer_engine))
+                                    deterministic=deterministic, recompute=recompute,
+                                    **self._extra_config(args, ep=ep, moe_dispatcher=moe_dispatcher,
+                                                         moe_aux_loss_coeff=moe_aux_loss_coeff))
+        gdn, attn, backend = self._layer_specs(config, use_transformer_engine(transformer_engine))
         block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in args.layer_types],
                                            layer_norm=OffsetRMSNorm)
         mtp_spec = get_gpt_mtp_block_spec_for_backend(config, attn, backend) if mtp_num_layers > 0 else None
@@ -240,6 +246,14 @@ class Qwen35Family(ModelFamily):
             mtp_block_spec=mtp_spec,
         )
         return model.to(check_dtype(dtype))
+
+    def _extra_config(self, args: Qwen35Args, *, ep: int, moe_dispatcher: str, moe_aux_loss_coeff: float) -> dict:
+        """TransformerConfig fields beyond the dense model's (none here; MoE in qwen3_next.py)."""
+        return {}
+
+    def _layer_specs(self, config, transformer_engine: bool = False):
+        """(Gated DeltaNet layer spec, full-attention layer spec, backend): the layers' MLPs are dense here."""
+        return _layer_specs(transformer_engine)
 
     # ------------------------------------------------------------------ weights
     def _mlp_rules(self, args: Qwen35Args, mg: str, hf: str) -> dict[str, WeightRule]:

@@ -53,10 +53,11 @@ def export_draft_head(out_dir: str | Path, hf_weights: dict[str, torch.Tensor], 
     family = family_for_checkpoint(src_hf_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    head = {k: v.contiguous() for k, v in hf_weights.items() if family.is_mtp_hf_name(k)}
+    mtp = family.mtp_hf_names(hf_weights)
+    head = {k: v.contiguous() for k, v in hf_weights.items() if k in mtp}
     if not head:
-        raise ValueError(f"export_draft_head: the weights contain no MTP tensors ({family.name}: names starting "
-                         f"with {list(family.hf_mtp_prefixes)}; MTP disabled?)")
+        raise ValueError(f"export_draft_head: the weights contain no MTP tensors of the {family.name} layout "
+                         "(MTP disabled?)")
     save_file(head, str(out / "draft_head.safetensors"))
     cfg = json.loads((Path(src_hf_dir) / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

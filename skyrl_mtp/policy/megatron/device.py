@@ -43,6 +43,12 @@ class RankDevice:
         return time.perf_counter()
 
     @property
+    def moe_token_dispatcher(self) -> str:
+        """megatron-core's MoE token dispatcher: "alltoall" on GPU; "allgather" on CPU (the all-to-all dispatcher
+        synchronises through CUDA streams; gloo itself runs the collectives either needs)."""
+        return "alltoall" if self.is_cuda else "allgather"
+
+    @property
     def megatron_optimizer(self) -> bool:
         """Megatron DDP grad buffers + distributed optimizer on GPU (and on CPU when opted in); torch AdamW
         otherwise."""

@@ -7,6 +7,11 @@ The head's parameters live inside the same GPTModel as the policy's, so each sid
 other side's parameters are temporarily frozen: the policy's buffer and optimizer never see a head
 parameter (its grad-norm and clip are the policy's alone) and the head's never see a policy one.
 
+Under expert parallelism megatron-core keeps routed experts' parameters (``allreduce=False``) in DDP buffers of
+their own, summed over the ranks holding the same experts, and ``get_megatron_optimizer`` returns a chained
+optimizer: one for the dense parameters and one for the experts' (its grad norm covers both, over the right
+groups). A side then drives both, and its LR schedule drives their parameter groups through one view.
+
 ``MegatronSideOptimizer`` offers what the policy worker calls on either path (zero_grad, reduce grads,
 clip + step, LR, state dicts); ``TorchSideOptimizer`` (optimizers.py: AdamW + manual DP all-reduce) is
 the CPU twin. Which one a rank gets is decided by ``policy/megatron/device.py`` (which can also put a CPU rank on this
@@ -74,9 +79,10 @@ def megatron_ddp(model: torch.nn.Module, module: torch.nn.Module, params: list[t
 
 
 def ddp_buffer_params(ddp) -> set[torch.nn.Parameter]:
-    """The parameters a Megatron DDP wrapper keeps grads for (its buffers' param_index_map keys)."""
+    """The parameters a Megatron DDP wrapper keeps grads for (its dense and expert-parallel buffers'
+    param_index_map keys)."""
     out = set()
-    for buf in ddp.buffers:
+    for buf in [*ddp.buffers, *_require(ddp, "expert_parallel_buffers", "megatron DistributedDataParallel")]:
         out.update(_require(buf, "param_index_map", "megatron _ParamAndGradBuffer").keys())
     return out
 
@@ -121,9 +127,12 @@ class MegatronSideOptimizer:
             # config_overrides={}: one group, the side's weight decay on every parameter (module docstring)
             self.opt = mopt.get_megatron_optimizer(opt_cfg, [self.ddp], config_overrides={})
         inner = _require(self.opt, "chained_optimizers", "megatron ChainedOptimizer")
-        if len(inner) != 1:
-            raise MegatronOptimizerError(f"expected one Megatron optimizer per side (dense params only), got {len(inner)}")
-        self.inner = inner[0]  # the DistributedOptimizer (FP32Optimizer when not distributed)
+        experts = any(not getattr(p, "allreduce", True) for p in params)
+        if len(inner) != 1 + experts:
+            raise MegatronOptimizerError(f"expected {1 + experts} Megatron optimizers for this side (dense params"
+                                         f"{' and expert-parallel params' if experts else ''}), got {len(inner)}")
+        # the DistributedOptimizers (FP32Optimizers when not distributed): dense, then expert-parallel
+        self.inner = list(inner)
 
     def zero_grad(self) -> None:
         with self._scope():
@@ -157,8 +166,14 @@ class MegatronSideOptimizer:
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer inside (its param_groups carry the LR): what an LR scheduler drives."""
-        return _require(self.opt, "optimizer", "megatron optimizer")
+        """The torch optimizer inside (its param_groups carry the LR): what an LR scheduler drives; with several
+        (expert parallelism) a view of all their param groups."""
+        inner = [_require(o, "optimizer", "megatron optimizer") for o in self.inner]
+        if len(inner) == 1:
+            return inner[0]
+        if getattr(self, "_groups_view", None) is None:
+            self._groups_view = ParamGroupsView(inner)
+        return self._groups_view
 
     def step(self) -> float:
         """Clip (by ``clip_grad``, over this side's params only) and step; returns the pre-clip grad-norm."""
@@ -171,19 +186,45 @@ class MegatronSideOptimizer:
     def state_dict(self) -> dict:
         """This DP rank's optimizer: param groups plus its shard of fp32 master weights and Adam moments, as
         CPU copies (a snapshot; a checkpoint is resumed with the same TP x DP layout)."""
-        get = _require(self.inner, "get_parameter_state_dp_reshardable", "megatron DistributedOptimizer")
+        gets = [_require(o, "get_parameter_state_dp_reshardable", "megatron DistributedOptimizer") for o in self.inner]
         with self._scope():
-            opt, param_state = self.opt.state_dict(), get()
-        return {"opt": opt, "param_state": _snapshot_param_state(param_state)}
+            opt, param_states = self.opt.state_dict(), [get() for get in gets]
+        return {"opt": opt, "param_state": [_snapshot_param_state(ps) for ps in param_states]}
 
     def load_state_dict(self, sd: dict) -> None:
-        load = _require(self.inner, "load_parameter_state_from_dp_reshardable", "megatron DistributedOptimizer")
+        loads = [_require(o, "load_parameter_state_from_dp_reshardable", "megatron DistributedOptimizer")
+                 for o in self.inner]
+        if len(sd["param_state"]) != len(loads):
+            raise MegatronOptimizerError(f"checkpoint holds {len(sd['param_state'])} optimizer states, this side has "
+                                         f"{len(loads)} (resume with the megatron.ep it was saved with)")
         # no_grad: with fp32 params the master shard is a view of the model param (a leaf that requires grad),
         # and megatron-core's loader copies into it in place without disabling autograd
         with self._scope(), torch.no_grad():
             self.opt.load_state_dict(sd["opt"])
-            load(sd["param_state"])
-        _unshare_adam_steps(self.torch_optimizer)
+            for load, state in zip(loads, sd["param_state"]):
+                load(state)
+        for o in self.inner:
+            _unshare_adam_steps(o.optimizer)
+
+
+class ParamGroupsView(torch.optim.Optimizer):
+    """What an LR scheduler drives when a side has several torch optimizers (dense and expert-parallel
+    parameters): their param groups, the very dicts, in one list. It is never stepped itself."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):   # no Optimizer.__init__: it owns no parameters
+        self._optimizers = optimizers
+        self._opt_called = True   # torch's "scheduler stepped before optimizer" check: the optimizers step elsewhere
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self._optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: st for o in self._optimizers for p, st in o.state.items()}
+
+    def step(self, closure=None):
+        raise MegatronOptimizerError("ParamGroupsView is stepped through MegatronSideOptimizer.step")
 
 
 def _unshare_adam_steps(opt: torch.optim.Optimizer) -> None:

@@ -3,17 +3,19 @@
 The family (``args.family``) says, per Megatron parameter, which HF tensors it is made of and how
 (``WeightRule``: hf_names, shard_dims, to_megatron, to_hf); this module applies those rules to whole
 state dicts with strict key and shape checks. Under tensor parallelism ``hf_to_megatron`` returns one
-rank's shard and ``megatron_to_hf`` takes the list of every rank's shards.
+rank's shard and ``megatron_to_hf`` takes the list of every rank's shards; under expert parallelism a
+rank's shard holds only its experts (``rules_for_expert_rank``) and ``megatron_to_hf`` takes every
+(expert-parallel rank, tensor-parallel rank)'s shard.
 """
 
 from __future__ import annotations
 
 import torch
 
-from skyrl_mtp.models.families.base import WeightMappingError, WeightRule, chunk
+from skyrl_mtp.models.families.base import WeightMappingError, WeightRule, chunk, rules_for_expert_rank
 
-__all__ = ["WeightMappingError", "hf_to_megatron", "load_into_model", "megatron_to_hf", "model_params", "name_map",
-           "weight_rules"]
+__all__ = ["WeightMappingError", "hf_to_megatron", "load_into_model", "mapped_tensors", "megatron_to_hf",
+           "model_params", "name_map", "weight_rules"]
 
 
 def weight_rules(args, mtp_layers: int) -> dict[str, WeightRule]:
@@ -37,10 +39,11 @@ def _check_keys(hf: dict[str, torch.Tensor], needed: set[str], args, mtp_layers:
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], args, mtp_layers: int, *,
-                   tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """One TP rank's Megatron parameters from a full HF state dict (strict: missing/extra -> error)."""
+                   tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """One (TP, EP) rank's Megatron parameters from a full HF state dict (strict: missing/extra -> error)."""
     rules = weight_rules(args, mtp_layers)
     _check_keys(hf, {n for r in rules.values() for n in r.hf_names}, args, mtp_layers)
+    rules = rules_for_expert_rank(rules, ep_rank, ep_size)
     out = {}
     for mg, rule in rules.items():
         pieces = [chunk(hf[n], d, tp_rank, tp_size, n) for n, d in zip(rule.hf_names, rule.shard_dims)]
@@ -48,24 +51,46 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], args, mtp_layers: int, *,
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], args, mtp_layers: int) -> dict[str, torch.Tensor]:
-    """Full HF state dict from every TP rank's Megatron parameters (index = TP rank)."""
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], args, mtp_layers: int, *,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Full HF state dict from every rank's Megatron parameters: index ep_rank * tp_size + tp_rank."""
+    if len(shards) % ep_size:
+        raise WeightMappingError(f"{len(shards)} shards do not split into ep={ep_size} expert-parallel ranks")
+    tp_size = len(shards) // ep_size
     rules = weight_rules(args, mtp_layers)
-    for r, sd in enumerate(shards):
-        missing, extra = sorted(rules.keys() - sd.keys()), sorted(sd.keys() - rules.keys())
+    local = [rules_for_expert_rank(rules, e, ep_size) for e in range(ep_size)]
+    global_name = {id(r): g for g, r in rules.items()}
+    owner: dict[str, tuple[int, str]] = {}   # global name -> (first ep rank holding it, its local name there)
+    for e, rank_rules in enumerate(local):
+        for name, rule in rank_rules.items():
+            owner.setdefault(global_name[id(rule)], (e, name))
+    for i, sd in enumerate(shards):
+        want = local[i // tp_size].keys()
+        missing, extra = sorted(want - sd.keys()), sorted(sd.keys() - want)
         if missing or extra:
-            raise WeightMappingError(f"Megatron weights of TP rank {r} do not match: missing {missing}; unexpected {extra}")
+            raise WeightMappingError(f"Megatron weights of rank {i} (ep {i // tp_size}, tp {i % tp_size}) do not match: "
+                                     f"missing {missing}; unexpected {extra}")
     out = {}
     for mg, rule in rules.items():
-        res = rule.to_hf([sd[mg].detach().cpu() for sd in shards])
+        e, name = owner[mg]
+        res = rule.to_hf([shards[e * tp_size + t][name].detach().cpu() for t in range(tp_size)])
         for n, t in zip(rule.hf_names, res):
             out[n] = t.contiguous().clone()
     return out
 
 
+def mapped_tensors(model: torch.nn.Module, names) -> dict[str, torch.Tensor]:
+    """The model's parameters, plus those of its buffers that ``names`` (weight-rule keys) map: a router's
+    expert bias is a buffer in megatron-core and a tensor of the HF checkpoint."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    out.update({n: buffers[n] for n in names if n not in out and n in buffers})
+    return out
+
+
 def load_into_model(model: torch.nn.Module, mg_sd: dict[str, torch.Tensor]) -> None:
-    """Copy a Megatron-named state dict into the model's parameters (strict, shape-checked)."""
-    params = dict(model.named_parameters())
+    """Copy a Megatron-named state dict into the model's parameters and mapped buffers (strict, shape-checked)."""
+    params = mapped_tensors(model, mg_sd)
     missing, extra = sorted(params.keys() - mg_sd.keys()), sorted(mg_sd.keys() - params.keys())
     if missing or extra:
         raise WeightMappingError(f"model parameters do not match the mapped weights: missing {missing}; unexpected {extra}")

@@ -47,18 +47,31 @@ def resolve_mtp_layers(args, requested: int | None, mtp_enabled: bool = True) ->
     return requested
 
 
-def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", recompute: bool = False,
+def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
+                    moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
                     transformer_engine: bool | None = None):
     """The family's GPTModel for ``args``; model-parallel state must already be initialised. The built
     TransformerConfig is checked for the recompute asked (a family that dropped it would fail here, not by OOM)."""
     family: ModelFamily = args.family
-    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute,
-                               transformer_engine=transformer_engine)
+    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, ep=ep, dtype=dtype,
+                               moe_dispatcher=moe_dispatcher, moe_aux_loss_coeff=moe_aux_loss_coeff,
+                               recompute=recompute, transformer_engine=transformer_engine)
     built = (getattr(model.config, "recompute_granularity", None), getattr(model.config, "recompute_method", None),
              getattr(model.config, "recompute_num_layers", None))
     want = ("full", "uniform", 1) if recompute else (None, None, None)
     if built != want:
         raise ModelBuildError(f"the {family.name} model was built with recompute (granularity, method, layers) = "
                               f"{built}, expected {want} for recompute={recompute}")
+    keep_router_state_fp32(model)
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model
+
+
+def keep_router_state_fp32(model) -> None:
+    """Routers' expert bias and token counts back to float32 after a cast of the model to bf16/fp16 (megatron-core
+    keeps them in float32: routing on a rounded bias picks other experts)."""
+    import torch
+
+    for name, buf in model.named_buffers():
+        if name.endswith(("router.expert_bias", "router.local_tokens_per_expert")) and buf.dtype != torch.float32:
+            buf.data = buf.data.float()

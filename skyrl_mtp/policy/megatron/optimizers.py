@@ -66,33 +66,50 @@ def lr_scheduler(opt: torch.optim.Optimizer, *, schedule: str, warmup_steps: int
         opt, lambda step: lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, decay_steps=decay_steps))
 
 
-def allreduce_grads(params: list[torch.nn.Parameter], group) -> None:
-    """Sum gradients across a data-parallel group (the loss is already normalised globally)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
+def is_expert_parallel(p: torch.nn.Parameter) -> bool:
+    """A routed expert's parameter spread over expert-parallel ranks: megatron-core marks it ``allreduce=False``
+    (its data-parallel replicas are the ranks holding the same experts, not the whole data-parallel group)."""
+    return not getattr(p, "allreduce", True)
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def allreduce_grads(params: list[torch.nn.Parameter], group, expert_group=None) -> None:
+    """Sum gradients across a data-parallel group (the loss is already normalised globally); expert-parallel
+    parameters across ``expert_group``, the ranks that hold the same experts."""
     for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+        g = expert_group if is_expert_parallel(p) else group
+        if p.grad is not None and _size(g) > 1:
+            dist.all_reduce(p.grad, group=g)
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=None) -> float:
-    """Global L2 grad-norm (TP-aware: sharded params summed across ranks, replicated ones once), then clip.
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=None, ep_group=None) -> float:
+    """Global L2 grad-norm (TP-aware: sharded params summed across ranks, replicated ones once; expert-parallel
+    params summed across the EP group, each rank holding other experts), then clip.
 
-    With one TP rank this is exactly ``torch.nn.utils.clip_grad_norm_``.
+    With one TP rank and one EP rank this is exactly ``torch.nn.utils.clip_grad_norm_``.
     """
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    if tp_size == 1:
+    tp_size, ep_size = _size(tp_group), _size(ep_group)
+    if tp_size == 1 and ep_size == 1:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    tp_rank = dist.get_rank(tp_group)
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].grad.device)  # a collective's tensor: on the grads' device
+    tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
+    dev = grads[0].grad.device   # a collective's tensor: on the grads' device
+    dense, expert = torch.zeros((), dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float64, device=dev)
     for p in grads:
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-            sq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq, group=tp_group)
-    total = math.sqrt(float(sq))
+        if ep_size > 1 and is_expert_parallel(p):
+            expert += p.grad.detach().double().pow(2).sum()
+        elif tp_size == 1 or getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            dense += p.grad.detach().double().pow(2).sum()
+    if tp_size > 1:
+        dist.all_reduce(dense, group=tp_group)
+    if ep_size > 1:
+        dist.all_reduce(expert, group=ep_group)
+    total = math.sqrt(float(dense + expert))
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         for p in grads:
@@ -106,8 +123,9 @@ class TorchSideOptimizer:
     ``distributed_optimizer.MegatronSideOptimizer`` is the GPU twin with the same methods."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
-                 grad_clip: float, dp_group, tp_group):
+                 grad_clip: float, dp_group, tp_group, ep_group=None, expert_dp_group=None):
         self.params, self.grad_clip, self.dp_group, self.tp_group = params, grad_clip, dp_group, tp_group
+        self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
         self.opt = build_optimizer(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     @property
@@ -118,11 +136,11 @@ class TorchSideOptimizer:
         self.opt.zero_grad(set_to_none=True)
 
     def reduce_grads(self) -> None:
-        allreduce_grads(self.params, self.dp_group)
+        allreduce_grads(self.params, self.dp_group, self.expert_dp_group)
 
     def step(self) -> float:
         """Clip, step; the pre-clip global grad-norm."""
-        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group)
+        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group, self.ep_group)
         self.opt.step()
         return norm
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from skyrl_mtp.models.families.base import WeightMappingError
+from skyrl_mtp.policy.megatron.hf_bridge import mapped_tensors
 
 
 class LazyHFCheckpoint(Mapping):
@@ -88,8 +89,9 @@ def iter_tp_shard(ckpt: LazyHFCheckpoint, rules: dict, *, tp_rank: int, tp_size:
 
 def load_tp_shard_into(model: torch.nn.Module, ckpt: LazyHFCheckpoint, rules: dict, *, tp_rank: int,
                        tp_size: int) -> None:
-    """Copy this rank's shard into ``model`` parameter by parameter (strict names and shapes)."""
-    params = dict(model.named_parameters())
+    """Copy this rank's shard into ``model`` parameter by parameter (strict names and shapes); ``rules`` are
+    this rank's (``rules_for_expert_rank`` under expert parallelism)."""
+    params = mapped_tensors(model, rules)
     missing, extra = sorted(params.keys() - rules.keys()), sorted(rules.keys() - params.keys())
     if missing or extra:
         raise WeightMappingError(f"model parameters do not match the weight rules: missing {missing}; "

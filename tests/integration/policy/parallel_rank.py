@@ -74,6 +74,9 @@ def run_megatron_optimizer_rank(rank, world, port, ckpt, cfg_kwargs, batches, ck
     out["shard_numel"] = {"policy": shard_numel(meg.policy_side), "head": shard_numel(meg.head_side)}
     out["numel"] = {"policy": sum(p.numel() for p in meg.policy_params),
                     "head": sum(p.numel() for p in meg.head_params)}
+    out["expert_numel"] = {side: sum(p.numel() for p in params if not getattr(p, "allreduce", True))
+                           for side, params in (("policy", meg.policy_params), ("head", meg.head_params))}
+    out["experts"] = {n for n, p in meg.model.named_parameters() if not getattr(p, "allreduce", True)}
     resumed = build(True)
     resumed.load_checkpoint(ckpt_dir)
     resumed.train_step(shard(batches[-1]), "dapo", {})
@@ -82,3 +85,30 @@ def run_megatron_optimizer_rank(rank, world, port, ckpt, cfg_kwargs, batches, ck
     for pol in (meg, ref, no_draft, resumed):
         pol.capture.remove()
     meg.shutdown()
+
+
+def run_expert_parallel_rank(rank, world, port, ckpt, cfg_kwargs, batches, out_path):
+    """One DP rank of the expert-parallel comparison: logprobs, train-step metrics, the last step's gradients
+    (by GLOBAL Megatron name: under EP a rank's experts are numbered locally) and the HF export."""
+    torch.set_num_threads(1)
+    from skyrl_mtp.policy.config import PolicyWorkerConfig
+    from skyrl_mtp.policy.megatron_policy import MegatronPolicy
+
+    cfg = PolicyWorkerConfig(**cfg_kwargs)
+    pol = MegatronPolicy(cfg, ckpt, rank, world, "127.0.0.1", port)
+
+    def shard(b):
+        n = b["input_ids"].shape[0] // world
+        return {k: v[rank * n:(rank + 1) * n] for k, v in b.items()}
+
+    lps = pol.compute_logprobs(shard(batches[0]))
+    metrics = [pol.train_step(shard(b), "dapo", {}) for b in batches]
+    global_name = {id(r): g for g, r in pol.global_rules.items()}
+    params = dict(pol.model.named_parameters())
+    grads = {global_name[id(rule)]: params[local].grad.clone() for local, rule in pol.weight_rules.items()
+             if local in params and params[local].grad is not None}
+    weights = pol.export_weights()
+    torch.save({"logprobs": lps, "metrics": metrics, "grads": grads, "weights": weights if rank == 0 else None,
+                "experts": sorted({r.expert for r in pol.weight_rules.values() if r.expert is not None})},
+               f"{out_path}.{rank}")
+    pol.shutdown()

@@ -1,15 +1,19 @@
 """The GPU training path (Megatron DDP fp32 grad buffers + distributed optimizer, policy and MTP head built
 separately) executed for real on CPU: two gloo ranks at DP=2, real megatron-core, opted in through
-``SKYRL_MTP_MEGATRON_OPTIMIZER_ON_CPU`` (policy/megatron/device.py) and run under ``cpu_shim.megatron_optimizer_on_cpu``.
+``SKYRL_MTP_MEGATRON_OPTIMIZER_ON_CPU`` (policy/megatron/device.py) and run under ``cpu_shim.megatron_optimizer_on_cpu``;
+on the default tiny MiMo model and on a tiny DeepSeek-V3 MoE model at expert parallel size 2 (each rank holds
+half the routed experts: megatron-core's expert DDP buffers and a second, expert-parallel optimizer per side).
 
 Checks: the policy's weights follow the torch AdamW path (same data, LR, clipping); the draft loss never
-reaches the trunk (bitwise); the Adam state is sharded over the two ranks; a checkpoint resumes bitwise."""
+reaches the trunk (bitwise); the Adam state is sharded over the two ranks (the experts' over their
+expert-data-parallel ranks: none at EP=2 of 2); a checkpoint resumes bitwise."""
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from parallel_rank import run_megatron_optimizer_rank
 
+from skyrl_mtp.models.tiny import TinyModelSpec, build_tiny_checkpoint
 from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
 
@@ -25,12 +29,16 @@ def batches():
     return random_dapo_batches(STEPS, 200, 4, 16, prompt_len=5, old_logprob=-6.2)
 
 
-@pytest.fixture(scope="module")
-def ranks(tiny_ckpt, tmp_path_factory):
+@pytest.fixture(scope="module", params=["mimo", "deepseek_v3_ep2"])
+def ranks(request, tiny_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_opt_cpu")
     out = tmp / "res"
+    ckpt, cfg = tiny_ckpt, CFG
+    if request.param == "deepseek_v3_ep2":
+        ckpt = build_tiny_checkpoint(tmp / "ds", TinyModelSpec(family="deepseek_v3", seed=7))
+        cfg = dict(CFG, ep=2)
     mp.start_processes(run_megatron_optimizer_rank,
-                       args=(2, free_port(), str(tiny_ckpt), CFG, batches(), str(tmp / "ckpt"), str(out)),
+                       args=(2, free_port(), str(ckpt), cfg, batches(), str(tmp / "ckpt"), str(out)),
                        nprocs=2, join=True, start_method="spawn")
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
@@ -39,8 +47,9 @@ def test_megatron_optimizer_runs_on_cpu_and_follows_torch_adamw(ranks):
     r0, r1 = ranks
     assert r0["sides"] == ("MegatronSideOptimizer", "TorchSideOptimizer")
     assert r0["buffers"] == {"policy": True, "head": True}   # each DDP buffer holds exactly its side's params
-    for k in r0["megatron"]:                                  # the DP all-gather leaves both ranks identical
-        assert torch.equal(r0["megatron"][k], r1["megatron"][k]), k
+    for k in r0["megatron"]:                                  # the DP all-gather leaves both ranks identical ...
+        if k not in r0["experts"]:                            # ... but for the experts each holds (EP=2)
+            assert torch.equal(r0["megatron"][k], r1["megatron"][k]), k
     for m, ref in zip(r0["metrics"]["megatron"], r0["metrics"]["torch"]):
         for k in ("policy/loss", "policy/grad_norm", "mtp/loss", "mtp/grad_norm"):
             assert m[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
@@ -70,10 +79,11 @@ def test_draft_loss_never_reaches_the_trunk(ranks):
 
 def test_adam_state_is_sharded_over_dp(ranks):
     for side in ("policy", "head"):
-        total = ranks[0]["numel"][side]
-        shards = [r["shard_numel"][side]["exp_avg"] for r in ranks]
-        print(f"{side}: {total} params, Adam exp_avg elements per DP rank {shards}")
-        assert [r["shard_numel"][side]["exp_avg_sq"] for r in ranks] == shards
+        experts = [r["expert_numel"][side] for r in ranks]    # whole on their rank (expert-data-parallel size 1)
+        total = ranks[0]["numel"][side] - experts[0]
+        shards = [r["shard_numel"][side]["exp_avg"] - e for r, e in zip(ranks, experts)]
+        print(f"{side}: {total} dense params, Adam exp_avg elements per DP rank {shards} (+ experts {experts})")
+        assert [r["shard_numel"][side]["exp_avg_sq"] for r in ranks] == [s + e for s, e in zip(shards, experts)]
         assert sum(shards) == total                            # disjoint shards covering every element once
         assert all(abs(s - total / 2) <= 0.01 * total for s in shards), shards
 

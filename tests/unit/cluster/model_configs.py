@@ -4,7 +4,11 @@ MiMo-7B (-RL): hidden 4096, 36 layers, 32 heads, 8 KV heads (head dim 128), SwiG
 bias, untied LM head, one MTP layer (XiaomiMiMo's config.json; slime's scripts/models/mimo-7B-rl.sh agrees).
 Qwen3.5-9B: hidden 4096, 32 layers (every 4th full attention, the rest Gated DeltaNet), 16 heads with an output
 gate, 4 KV heads of dim 256, SwiGLU 12288, vocabulary 248320, DeltaNet 16 key / 32 value heads of dim 128, one MTP
-layer, multimodal layout (text_config)."""
+layer, multimodal layout (text_config).
+Qwen3-Next-80B-A3B: Qwen3.5's hybrid trunk at hidden 2048, 48 layers, 16 heads / 2 KV heads of dim 256, MoE in
+every layer: 512 experts of width 512, top 10, one gated shared expert of width 512, vocabulary 151936.
+GLM-4.5-Air: hidden 4096, 46 layers (the first dense, SwiGLU 10944), 96 heads / 8 KV heads of dim 128 with qkv bias,
+128 experts of width 1408, top 8, one shared expert, vocabulary 151552, one MTP layer."""
 
 from __future__ import annotations
 
@@ -31,11 +35,30 @@ QWEN3_5_9B = {
         "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16"},
 }
 
-QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
-              "num_hidden_layers": 48, "num_nextn_predict_layers": 1}
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48,
+    "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "intermediate_size": 5120, "vocab_size": 151936, "max_position_embeddings": 262144, "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "rms_norm_eps": 1e-6,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+GLM_4_5_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
+    "vocab_size": 151552, "max_position_embeddings": 131072, "rope_theta": 1000000, "partial_rotary_factor": 0.5,
+    "attention_bias": True, "use_qk_norm": False, "rms_norm_eps": 1e-5, "n_routed_experts": 128,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
 
 FOR_RECIPE = {"mimo7b_dapo": MIMO_7B, "mimo7b_searchr1": MIMO_7B, "qwen3_5_9b_dapo": QWEN3_5_9B,
-              "qwen3next_dapo": QWEN3_NEXT}
+              "qwen3next_dapo": QWEN3_NEXT,
+              "glm4_5_air_dapo": GLM_4_5_AIR}
 
 
 def write_config(directory: Path, cfg: dict) -> Path:

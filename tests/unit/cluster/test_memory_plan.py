@@ -171,3 +171,37 @@ def test_cfg_plan_prints_the_plan(mimo7b, capsys):
     assert "megatron.tp=4 megatron.dp=2 needs" in out
     assert main(["recipe=tiny_dapo", "--cfg", "plan"]) == 0
     assert "not enforced on CPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next"])
+def test_every_familys_shape_counts_its_tiny_checkpoint_tensor_by_tensor(family):
+    # the formulas of each family's memory_shape against the numel of the tensors its tiny checkpoint has (the MTP
+    # layers' copies of embedding / LM head aside: the drafter shares the target's)
+    from skyrl_mtp.models.families import family_for_config, unsynced_hf_names
+    from skyrl_mtp.models.tiny import TinyModelSpec, build_spec_weights, hf_config
+
+    spec = TinyModelSpec(family=family, mtp_layers=1)
+    weights, hf_cfg = build_spec_weights(spec), hf_config(spec, None)
+    fam = family_for_config(hf_cfg)
+    shape = fam.memory_shape(fam.args_from_config(hf_cfg), 1)
+    skip = unsynced_hf_names(list(weights))
+    assert shape.params == sum(t.numel() for k, t in weights.items() if k not in skip)
+    assert shape.expert_params + shape.mtp_expert_params == sum(t.numel() for k, t in weights.items()
+                                                                if ".experts." in k)
+    assert (shape.expert_params > 0) == (family in ("deepseek_v3", "glm4_moe", "qwen3_next"))
+
+
+def test_expert_parallelism_splits_the_routed_experts_and_their_optimizer_state():
+    from skyrl_mtp.config.memory_plan import run_hf_config
+
+    base = ["recipe=tiny_dapo", *GPU, "model.tiny.family=deepseek_v3", "megatron.dp=2",
+            "trainer.placement.policy_num_workers=2"]
+    plans = {ep: memory_plan(compose_config([*base, f"megatron.ep={ep}"]),
+                             run_hf_config(compose_config(base)), transformer_engine=False).policy for ep in (1, 2)}
+    cfg = compose_config(base)
+    shape = model_shape(cfg, run_hf_config(cfg))
+    experts = shape.expert_params + shape.mtp_expert_params
+    assert plans[1].weights - plans[2].weights == experts // 2 * 4            # fp32: half the experts per rank
+    # dense state over dp=2 either way; the experts' over the expert data-parallel group: 2 ranks at ep 1, 1 at ep 2
+    assert plans[1].optimizer == (shape.params - experts) * 8 // 2 + experts * 8 // 2
+    assert plans[2].optimizer == (shape.params - experts) * 8 // 2 + experts // 2 * 8

@@ -75,28 +75,28 @@ def test_without_transformer_engine_the_headline_recipe_is_refused_with_a_settin
 
 
 def test_the_cluster_recipes_exist():
-    assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo"} <= set(RECIPES)
+    assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo"} <= set(RECIPES)
 
 
-# recipes whose model no family of this project builds yet: refused before anything starts
-UNBUILDABLE = {"qwen3next_dapo"}
-RUNNABLE = [r for r in RECIPES if r not in UNBUILDABLE]
+RUNNABLE = RECIPES
 
 
-def test_a_recipe_whose_model_the_trainer_cannot_build_is_refused_naming_the_path(tmp_path):
+def test_a_checkpoint_whose_model_the_trainer_cannot_build_is_refused_naming_the_path(tmp_path):
+    overrides = user_overrides("mimo7b_dapo", tmp_path)
+    ckpt = tmp_path / "llama"
+    write_config(ckpt, {**FOR_RECIPE["mimo7b_dapo"], "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(ConfigError) as info:
-        load_config(["recipe=qwen3next_dapo", *user_overrides("qwen3next_dapo", tmp_path)])
+        load_config(["recipe=mimo7b_dapo", *overrides, f"model.path={ckpt}"])
     (msg,) = info.value.problems
     assert msg.startswith("model.path=") and "a model the trainer can build: the GPU memory plan reads its config.json" \
-        in msg and "no model family for architectures=['Qwen3NextForCausalLM']" in msg
+        in msg and "no model family for architectures=['LlamaForCausalLM']" in msg
 
 
 def _compose(recipe: str, tmp: Path):
     """The recipe with the user's paths, validated where the trainer can build its model."""
-    from skyrl_mtp.config import compose_config
 
     overrides = [f"recipe={recipe}", *user_overrides(recipe, tmp)]
-    return compose_config(overrides) if recipe in UNBUILDABLE else load_config(overrides)
+    return load_config(overrides)
 
 
 @pytest.mark.parametrize("recipe", RUNNABLE)
@@ -109,7 +109,8 @@ def test_recipe_validates_with_user_paths(recipe, tmp_path):
         assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == cfg.trainer.mtp.num_speculative_tokens
 
 
-@pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo"])
+@pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo",
+                                    "glm4_5_air_dapo"])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -132,7 +133,34 @@ HARDWARE = [
     ("mimo7b_searchr1", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3_5_9b_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3next_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
+    ("glm4_5_air_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
 ]
+
+MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo")}   # the released models' shapes
+
+
+@pytest.mark.parametrize("recipe", sorted(MOE_MODELS))
+def test_moe_recipes_layout_is_one_their_model_family_trains(recipe, tmp_path):
+    """The launcher's pre-Ray check on the real model's shapes: the family accepts the recipe's tp / ep, refuses
+    tensor parallelism (MoE training needs sequence parallelism there)."""
+    import json
+
+    from skyrl_mtp.config import compose_config
+    from skyrl_mtp.models.families import ModelBuildError, family_for_config
+    from skyrl_mtp.trainer.launch import check_parallel_layout
+    from skyrl_mtp.trainer.run_plan import build_run_plan
+
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(MOE_MODELS[recipe]))
+    overrides = [o for o in user_overrides(recipe, tmp_path) if not o.startswith("model.path=")]
+    cfg = load_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}"])
+    assert family_for_config(MOE_MODELS[recipe]).declared_mtp_layers(MOE_MODELS[recipe]) == 1
+    assert cfg.megatron.tp == 1 and cfg.megatron.ep > 1
+    check_parallel_layout(build_run_plan(cfg), ckpt)
+    with pytest.raises(ModelBuildError, match="megatron.tp=2 with a"):
+        check_parallel_layout(build_run_plan(compose_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}",
+                                                            "megatron.tp=2", "megatron.dp=16"])), ckpt)
 
 
 @pytest.mark.parametrize("recipe, nodes, gpus, k", HARDWARE)

@@ -53,6 +53,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
+    "megatron.ep": (2, {"megatron.dp": 2, "trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),
     "megatron.mtp_num_layers": (1, {}),
     "megatron.mtp_loss_chunk_size": (1024, {}),

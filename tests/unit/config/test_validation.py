@@ -24,6 +24,9 @@ def test_tiny_recipe_is_valid():
         ("trainer.mtp.num_speculative_tokens=0", "trainer.mtp.num_speculative_tokens=0 is invalid: must be >= 1"),
         ("trainer.mtp.loss_type=kl", "trainer.mtp.loss_type='kl' is invalid: must be one of ['soft_ce', 'hard_ce', 'topk_soft_ce', 'tv']"),
         ("megatron.mtp_loss_topk=0", "megatron.mtp_loss_topk=0 is invalid: must be >= 1"),
+        ("megatron.ep=0", "megatron.ep=0 is invalid: must be >= 1"),
+        ("megatron.ep=2", "megatron.ep=2 is invalid: must divide megatron.tp * megatron.dp = 1"),
+        ("megatron.moe_aux_loss_coeff=-0.1", "megatron.moe_aux_loss_coeff=-0.1 is invalid: must be >= 0.0"),
         ("megatron.mtp_num_layers=-1", "megatron.mtp_num_layers=-1 is invalid: must be >= 0"),
         ("megatron.mtp_loss_chunk_size=-1", "megatron.mtp_loss_chunk_size=-1 is invalid: must be an int >= 0 "
          "(tokens per chunk of the draft loss; 0 = one chunk) or 'auto'"),

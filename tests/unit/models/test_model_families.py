@@ -17,7 +17,7 @@ from skyrl_mtp.models.families import (
     engine_kwargs_for_family,
     family_by_name,
     family_for_config,
-    is_mtp_hf_name,
+    mtp_hf_names,
 )
 from skyrl_mtp.models.families.qwen3_5 import QWEN3_5, Qwen35Args
 from skyrl_mtp.models.tiny import TinyModelSpec, build_qwen3_5_weights, qwen3_5_hf_config
@@ -50,14 +50,15 @@ def test_family_for_config_picks_by_architecture_then_model_type():
     assert family_for_config({"architectures": ["Qwen3_5ForConditionalGeneration"]}) is QWEN3_5
     with pytest.raises(ModelBuildError, match=r"architectures=\['LlamaForCausalLM'\].*supported"):
         family_for_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    assert [f.name for f in FAMILIES] == ["mimo", "qwen3_5"] and family_by_name("qwen3_5") is QWEN3_5
+    assert [f.name for f in FAMILIES] == ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next"] and family_by_name("qwen3_5") is QWEN3_5
     with pytest.raises(ModelBuildError, match="'nope' is unknown"):
         family_by_name("nope")
 
 
 def test_mtp_names_and_engine_overrides_come_from_the_family():
-    assert is_mtp_hf_name("model.mtp_layers.0.input_proj.weight") and is_mtp_hf_name("mtp.fc.weight")
-    assert not is_mtp_hf_name("model.layers.0.mlp.up_proj.weight") and not is_mtp_hf_name("lm_head.weight")
+    names = ["model.mtp_layers.0.input_proj.weight", "mtp.fc.weight", "model.layers.0.mlp.up_proj.weight",
+             "lm_head.weight"]
+    assert mtp_hf_names(names) == {"model.mtp_layers.0.input_proj.weight", "mtp.fc.weight"}
     out = engine_kwargs_for_family(QWEN3_5, {"model": "m", "enable_prefix_caching": True}, {})
     assert out == {"model": "m", "enable_prefix_caching": False}
     with pytest.raises(ModelBuildError, match=r"engine_kwargs.enable_prefix_caching=True.*allowed: False"):
@@ -77,7 +78,12 @@ def test_mtp_replay_inputs_follow_vllm_drafters():
     assert (qwen.hidden, qwen.zero_embedding_at_position_0) == ("post_norm", False)
     for r in (mimo, qwen):  # vLLM 0.32 feeds depth d > 1 the previous draft step's output through layer 0
         assert r.deeper_hidden == "previous_output" and [r.layer_index(d, 3) for d in (1, 2, 3)] == [0, 0, 0]
-    assert [MTPReplayInputs("pre_norm", True, depth_layer="per_depth").layer_index(d, 2) for d in (1, 2, 3)] == [0, 1, 1]
+    # vLLM's V2 multi-module drafter: layer (d-1) mod num_layers (its MTP models take spec_step_idx modulo)
+    assert [MTPReplayInputs("pre_norm", True, depth_layer="per_depth").layer_index(d, 2) for d in (1, 2, 3)] == [0, 1, 0]
+    assert mimo.for_runner("v1", 2, 3).depth_layer == "first" and mimo.for_runner("v2", 1, 3).depth_layer == "first"
+    assert mimo.for_runner("v2", 2, 1).depth_layer == "first" and mimo.for_runner("v2", 2, 2).depth_layer == "per_depth"
+    with pytest.raises(ValueError, match="runner='v3'"):
+        mimo.for_runner("v3", 1, 1)
     with pytest.raises(ValueError, match="hidden='mid'"):
         MTPReplayInputs("mid", True)
 
