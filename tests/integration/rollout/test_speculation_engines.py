@@ -139,8 +139,14 @@ def test_auto_k_with_an_untrained_head_stops_drafting_and_runs_no_spec_steps(eng
     assert after_sync["acceptance_per_pos"][0] == pytest.approx(before_sync["acceptance_per_pos"][0], abs=0.05)
     # the new head's drafts were seen (until the engine stopped drafting, then by its probes)
     assert after["acceptance_per_pos"][0] < after_sync["acceptance_per_pos"][0] - 0.2, (after_sync, after)
-    # drafts that are not accepted save nothing: their verified steps are charged what drafting added
-    assert after["policy"]["seconds_saved"] - after_sync["policy"]["seconds_saved"] < 1e-3, (after_sync, after)
+    # drafts that are rarely accepted save little: per drafting step, well under what the oracle's drafts saved
+    def drafting_steps(stats):
+        return sum(stats["policy"]["k_histogram"][1:])
+
+    saved_before = after_sync["policy"]["seconds_saved"] / max(drafting_steps(after_sync), 1)
+    saved_after = (after["policy"]["seconds_saved"] - after_sync["policy"]["seconds_saved"]) \
+        / max(drafting_steps(after) - drafting_steps(after_sync), 1)
+    assert saved_after < 0.5 * saved_before, (after_sync, after)
     last = rounds[-1]
     assert last["k0"] > 0.8 * last["steps"], rounds          # settled: not drafting (probes aside)
     assert last["plain_steps"] > last["k0"] // 2 and last["plain_steps"] <= last["k0"], rounds   # most ran no-spec
