@@ -1,6 +1,7 @@
 """Where engines and policy workers run: a bundle plan checked against what the Ray cluster has.
 
-A run asks for `generator.num_engines` vLLM engines of `generator.tensor_parallel_size` GPUs each
+A run asks for `generator.num_engines` vLLM engines of `generator.tensor_parallel_size *
+pipeline_parallel_size` GPUs each (one per worker; an engine's pipeline stages run on one node)
 and `trainer.placement.policy_num_workers` Megatron ranks (= tp*pp*cp*dp), either in separate GPU
 pools or colocated (each GPU hosts one policy rank and one engine rank; engines sleep while the
 policy trains). Planning is a pure function of the config and of the resources Ray reports, so
@@ -73,13 +74,18 @@ def _get(cfg: Any, dotted: str) -> Any:
     return node
 
 
+def engine_workers(cfg: Any) -> int:
+    """Workers (= GPUs on GPU) of one engine: one per tensor-parallel rank of each pipeline stage."""
+    return int(cfg.generator.tensor_parallel_size) * int(cfg.generator.pipeline_parallel_size)
+
+
 def placement_problems(cfg: Any) -> list[str]:
     """Problems of the requested layout itself (no cluster needed); empty when consistent.
 
     Assumes the range checks of validate_config (counts >= 1, gpus >= 0) already hold.
     """
     pl = cfg.trainer.placement
-    engines, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
+    engines, tp = int(cfg.generator.num_engines), engine_workers(cfg)
     workers = int(pl.policy_num_workers)
     ge, gw = pl.gpus_per_engine, pl.gpus_per_policy_worker
     out: list[str] = []
@@ -93,14 +99,15 @@ def placement_problems(cfg: Any) -> list[str]:
         return out
     if ge != tp:
         out.append(problem("trainer.placement.gpus_per_engine", ge,
-                           f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
-                           "engine), or 0 for CPU engines"))
+                           f"must equal generator.tensor_parallel_size * pipeline_parallel_size = {tp} (one GPU per "
+                           "worker of an engine), or 0 for CPU engines"))
     if gw != 1:
         out.append(problem("trainer.placement.gpus_per_policy_worker", gw,
                            "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers"))
     if pl.colocate and engines * tp != workers:
         out.append(problem("trainer.placement.colocate", True,
-                           f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
+                           f"needs generator.num_engines * tensor_parallel_size * pipeline_parallel_size = "
+                           f"{engines}*{tp} = "
                            f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
                            "hosts one policy rank and one engine rank); or set colocate=false for separate pools"))
     return out
@@ -112,7 +119,7 @@ def build_plan(cfg: Any) -> PlacementPlan:
     if problems:
         raise PlacementError("invalid placement:\n" + "\n".join(f"  - {p}" for p in problems))
     pl = cfg.trainer.placement
-    n_eng, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
+    n_eng, tp = int(cfg.generator.num_engines), engine_workers(cfg)   # tp: GPUs per engine (TP x PP)
     n_pol = int(pl.policy_num_workers)
     ce, cw = float(pl.cpus_per_engine), float(pl.cpus_per_policy_worker)
     gpu = pl.gpus_per_engine > 0
@@ -145,11 +152,11 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 def _breakdown(cfg: Any, plan: PlacementPlan, resource: str) -> str:
     pl = cfg.trainer.placement
-    n_eng, tp, n_pol = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size), int(pl.policy_num_workers)
+    n_eng, tp, n_pol = int(cfg.generator.num_engines), engine_workers(cfg), int(pl.policy_num_workers)
     if resource == "GPU":
         if plan.colocate:
-            return (f"{n_pol} for {n_pol} policy workers (tp*pp*cp*dp); the {n_eng} engines x TP {tp} share them")
-        return f"{n_eng * tp} for {n_eng} engine(s) x TP {tp} + {n_pol} for {n_pol} policy worker(s)"
+            return (f"{n_pol} for {n_pol} policy workers (tp*pp*cp*dp); the {n_eng} engines x {tp} workers share them")
+        return f"{n_eng * tp} for {n_eng} engine(s) x {tp} workers + {n_pol} for {n_pol} policy worker(s)"
     return (f"{_fmt(n_eng * float(pl.cpus_per_engine))} for {n_eng} engine(s) x {_fmt(pl.cpus_per_engine)} + "
             f"{_fmt(n_pol * float(pl.cpus_per_policy_worker))} for {n_pol} policy worker(s) x "
             f"{_fmt(pl.cpus_per_policy_worker)}")
@@ -189,7 +196,7 @@ def _check_nodes(plan: PlacementPlan, nodes: list[dict[str, float]]) -> None:
     for i, bundle in enumerate(plan.bundles):
         if not any(_fits(bundle, n) for n in nodes):
             largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
-            who = (f"engine {owners[i].index} (tensor_parallel_size={_fmt(bundle.get('GPU', 0))}"
+            who = (f"engine {owners[i].index} ({_fmt(bundle.get('GPU', 0))} workers: tensor x pipeline parallel"
                    f"{' with its colocated policy ranks' if plan.colocate else ''})" if i in owners
                    else f"policy rank {next(a.index for a in plan.policy if a.bundle_index == i)}")
             raise PlacementError(

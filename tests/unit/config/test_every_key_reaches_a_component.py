@@ -100,7 +100,6 @@ ONLY_ONE_VALUE = {
     "megatron.pp": 2,                         # no pipeline parallelism in the policy worker
     "megatron.cp": 2,                         # no context parallelism in the policy worker
     "generator.backend": "sglang",            # vLLM is the one inference backend
-    "generator.pipeline_parallel_size": 2,    # issue 16: engine PP not supported yet (validation.py)
     "algorithm.advantage_estimator": "rloo",  # GRPO is the one advantage estimator
 }
 

@@ -41,13 +41,17 @@ def test_tiny_recipe_is_valid():
         ("model.path=/does/not/exist", "model.path='/does/not/exist' is invalid: path does not exist"),
         ("data.train_files=[/no/such.parquet]", "data.train_files[0]='/no/such.parquet' is invalid: path does not exist"),
         ("generator.num_engines=0", "generator.num_engines=0 is invalid: must be >= 1"),
-        ("generator.pipeline_parallel_size=2",
-         "generator.pipeline_parallel_size=2 is invalid: must be 1: vLLM pipeline parallelism inside an engine"),
         ("generator.pipeline_parallel_size=0", "generator.pipeline_parallel_size=0 is invalid: must be >= 1"),
     ],
 )
 def test_single_errors(override, expected):
     assert expected in _error(override)
+
+
+def test_engine_pipeline_parallelism_with_fixed_k_only():
+    assert "pipeline_parallel_size" not in _error("generator.pipeline_parallel_size=2", "megatron.tp=3")
+    msg = _error("generator.pipeline_parallel_size=2", "trainer.mtp.num_speculative_tokens=auto")
+    assert "generator.pipeline_parallel_size=2 is invalid: must be 1 with trainer.mtp.num_speculative_tokens=auto" in msg
 
 
 def test_impossible_parallel_layout():
