@@ -77,6 +77,31 @@ def required_placeholders(cfg: DictConfig) -> list[str]:
     return out
 
 
+def _model_layers(cfg: DictConfig) -> int | None:
+    """Decoder layers of the model the run trains and serves (the tiny spec's, or the checkpoint's), if known."""
+    if cfg.model.path is None:
+        layers = cfg.model.tiny.layers
+        return layers if isinstance(layers, int) and layers >= 1 else None
+    config = Path(str(cfg.model.path)) / "config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    hf = json.loads(config.read_text())
+    layers = hf.get("num_hidden_layers", hf.get("text_config", {}).get("num_hidden_layers"))
+    return layers if isinstance(layers, int) else None
+
+
+def _pipeline_stages_divide_the_layers(c: _Checker, cfg: DictConfig) -> None:
+    """The policy's pipeline stages hold equal shares of the decoder layers (megatron-core's default split;
+    vLLM's engines split unevenly where they must)."""
+    layers = _model_layers(cfg)
+    pp = c.get("megatron.pp")
+    if layers is not None and isinstance(pp, int) and not isinstance(pp, bool) and pp > 1 and layers % pp:
+        c.add("megatron.pp", pp, f"must divide the model's {layers} decoder layers (each pipeline stage of the "
+                                 "policy holds an equal share)")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError naming every invalid key of `cfg`, once each."""
     placeholders = required_placeholders(cfg)
@@ -114,10 +139,9 @@ def validate_config(cfg: DictConfig) -> None:
     # megatron
     for key in ("tp", "pp", "cp", "dp", "micro_batch_size"):
         c.at_least(f"megatron.{key}", 1)
-    for key, what in (("pp", "pipeline"), ("cp", "context")):   # the policy worker has no pp/cp yet
-        c.check(f"megatron.{key}", lambda v: v is None or v < 1 or v == 1,
-                f"only 1 is supported: {what} parallelism is not implemented by the policy worker "
-                "(scale with megatron.tp and megatron.dp)")
+    c.check("megatron.cp", lambda v: v is None or v < 1 or v == 1,   # the policy worker has no cp yet
+            "only 1 is supported: context parallelism is not implemented by the policy worker "
+            "(scale with megatron.tp, megatron.pp and megatron.dp)")
     c.choice("megatron.dtype", A.DTYPES)
     c.at_least("megatron.mtp_num_layers", 0, optional=True)
     c.at_least("megatron.mtp_loss_topk", 1)
@@ -135,8 +159,8 @@ def validate_config(cfg: DictConfig) -> None:
     world = cfg.trainer.placement.policy_num_workers
     layout = meg.tp * meg.pp * meg.cp * meg.dp
     # only when tp and dp are the sole unknowns: a bad pp / cp is reported once, under its own key
-    if min(meg.tp, meg.dp) >= 1 and meg.pp == 1 and meg.cp == 1 and layout != world \
-            and not c.reported("megatron.tp", "megatron.dp", "trainer.placement.policy_num_workers"):
+    if min(meg.tp, meg.pp, meg.dp) >= 1 and meg.cp == 1 and layout != world \
+            and not c.reported("megatron.tp", "megatron.pp", "megatron.dp", "trainer.placement.policy_num_workers"):
         c.add("trainer.placement.policy_num_workers", world,
               f"must equal the policy's parallel layout megatron.tp*pp*cp*dp = {meg.tp}*{meg.pp}*{meg.cp}*{meg.dp} "
               f"= {layout} (one worker per Megatron rank)")
@@ -217,6 +241,7 @@ def validate_config(cfg: DictConfig) -> None:
     from skyrl_mtp.models.tiny import FAMILIES as TINY_FAMILIES
 
     c.choice("model.tiny.family", TINY_FAMILIES)
+    _pipeline_stages_divide_the_layers(c, cfg)
 
     # data
     c.choice("data.synthetic", A.SYNTHETIC_TASKS, optional=True)

@@ -75,8 +75,6 @@ class PolicyWorkerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise _bad(name, v, "must be an integer >= 1")
-        if self.pp != 1:
-            raise _bad("pp", self.pp, "only pipeline parallel size 1 is supported")
         if self.mtp_num_layers is not None and (not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0):
             raise _bad("mtp_num_layers", self.mtp_num_layers, "must be None (use the checkpoint's) or an integer >= 0")
         if self.mtp_loss_type not in DRAFT_LOSS_TYPES:

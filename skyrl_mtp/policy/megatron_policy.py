@@ -24,7 +24,9 @@ from .megatron.model_builder import (
 )
 from .megatron.optimizers import HEAD_PREFIX, TorchSideOptimizer, lr_scheduler, split_params
 from .megatron.parallel_state import init_distributed
+from .megatron.pipeline_stages import EMBEDDING, single_stage, stage_layout, stage_rules
 from .megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_tp_shard_into
+from .pipelined_steps import PipelinedSteps, token_logprobs
 
 POLICY_LOSSES = tuple(REQUIRED_TRAIN_KEYS)  # "dapo" (RL), "sft" (warm start)
 WEIGHT_STREAMS = ("main", "draft")  # iter_hf_weights: the target model's tensors / the MTP head's
@@ -61,27 +63,12 @@ def _sequences_with_tokens(loss_mask: torch.Tensor) -> float:
     return float((loss_mask.float().sum(dim=1) > 0).sum())
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] logprob of token t+1 stored at index t+1 (index 0 is 0); logits may be a TP vocab shard."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    target = torch.zeros_like(input_ids)
-    target[:, :-1] = input_ids[:, 1:]
-    # Megatron's cross-entropy works in place on its input: always hand it a fresh [S, B, V] float32 copy
-    # (``.contiguous()`` alone would alias the logits when B == 1, and they are still the MTP teacher).
-    sbv = logits.transpose(0, 1)
-    work = torch.empty(sbv.shape, dtype=torch.float32, device=logits.device).copy_(sbv)
-    nll = vocab_parallel_cross_entropy(work, target.t().contiguous()).t()
-    lp = torch.zeros_like(nll)
-    lp[:, 1:] = -nll[:, :-1]
-    return lp
-
-
-class MegatronPolicy:
+class MegatronPolicy(PipelinedSteps):
     def __init__(self, cfg: PolicyWorkerConfig, hf_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int, listen_socket: socket.socket | None = None):
-        if cfg.tp * cfg.dp != world_size:
-            raise ValueError(f"PolicyWorkerConfig tp*dp = {cfg.tp}*{cfg.dp} must equal world_size={world_size}")
+        if cfg.tp * cfg.pp * cfg.dp != world_size:
+            raise ValueError(f"PolicyWorkerConfig tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} must equal "
+                             f"world_size={world_size}")
         self.cfg, self.hf_path, self.rank = cfg, str(hf_path), rank
         self.args = model_args_from_checkpoint(hf_path)  # the family's arguments (self.args.family)
         if cfg.mtp_enabled and self.args.num_nextn_predict_layers == 0:
@@ -97,21 +84,36 @@ class MegatronPolicy:
 
         self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         tp=cfg.tp, seed=cfg.seed, device=self.device, listen_socket=listen_socket)
+                         tp=cfg.tp, pp=cfg.pp, seed=cfg.seed, device=self.device, listen_socket=listen_socket)
         from megatron.core import parallel_state as ps
 
         disable_native_mtp_loss()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype)
+        self.pp_group = ps.get_pipeline_model_parallel_group() if cfg.pp > 1 else None
+        self.pp_rank = ps.get_pipeline_model_parallel_rank() if cfg.pp > 1 else 0
+        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype,
+                                     pp=cfg.pp, pp_rank=self.pp_rank)
+        has_mtp = getattr(self.model, "mtp", None) is not None   # on the last stage only under PP
+        self.layout = (stage_layout(self.model.config, self.pp_rank, cfg.pp, has_mtp) if cfg.pp > 1
+                       else single_stage(self.args.num_layers, has_mtp))
+        if cfg.pp > 1:
+            from .megatron import pipeline_schedule
+
+            pipeline_schedule.configure(self.model)
         if cfg.recompute_activations:
             _enable_full_recompute(self.model)
-        # each rank reads only its TP chunks of the safetensors (lazily), then moves to its device
-        load_tp_shard_into(self.model, hf, self.weight_rules, tp_rank=self.tp_rank, tp_size=cfg.tp)
+        # each rank reads only its stage's parameters, its TP chunks of them (lazily), then moves to its device
+        load_tp_shard_into(self.model, hf, stage_rules(self.weight_rules, self.layout), tp_rank=self.tp_rank,
+                           tp_size=cfg.tp)
         del hf
         self.model.to(self.device.device)
+        self._param_dtype = next(self.model.parameters()).dtype
         policy, head = split_params(self.model)
+        if self.layout.embedding_is_copy:   # the MTP block's copy follows the first stage's (_refresh_embedding_copy)
+            policy = [(n, p) for n, p in policy if n != EMBEDDING]
+            self.model.embedding.word_embeddings.weight.requires_grad_(False)
         self.policy_params = [p for _, p in policy]
         self.head_params = [p for _, p in head]
         self.policy_side, self.head_side = self._build_sides()
@@ -120,7 +122,7 @@ class MegatronPolicy:
                                          decay_steps=cfg.lr_decay_steps)
         self.head_opt = self.head_sched = None
         self.capture = None
-        if self.mtp_layers > 0:
+        if self.head_side is not None:   # the stage with the MTP block (the last one under PP)
             from ..mtp.capture import MTPInputCapture
 
             self.head_opt = self.head_side.torch_optimizer
@@ -137,7 +139,7 @@ class MegatronPolicy:
                    grad_clip=cfg.policy_grad_clip)
         hkw = dict(lr=cfg.head_lr, weight_decay=cfg.head_weight_decay, betas=cfg.head_betas, eps=cfg.head_eps,
                    grad_clip=cfg.head_grad_clip)
-        head_params = self.head_params if self.mtp_layers > 0 else []
+        head_params = self.head_params if self.mtp_layers > 0 else []   # [] off the MTP stage
         if self.device.megatron_optimizer:
             from .megatron.distributed_optimizer import build_megatron_side_optimizers
 
@@ -145,7 +147,8 @@ class MegatronPolicy:
                                                   head_kw=hkw)
         groups = dict(dp_group=self.dp_group, tp_group=self.tp_group)
         head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
-        return TorchSideOptimizer(self.policy_params, **pkw, **groups), head
+        # the policy's grad norm is the whole model's: summed over the pipeline stages too (the head is on one)
+        return TorchSideOptimizer(self.policy_params, **pkw, **groups, pp_group=self.pp_group), head
 
     def _on_device(self, batch: dict) -> dict:
         dev = self.device.device
@@ -168,6 +171,8 @@ class MegatronPolicy:
         self._check_packing(batch)
         batch = self._on_device(prepare(batch))
         self.model.eval()
+        if self.cfg.pp > 1:
+            return self._pipelined_logprobs(batch)
         out = []
         for mb in micro_batches(batch, self.cfg.micro_batch_size):
             out.append(token_logprobs(self._forward(mb), mb["input_ids"]))
@@ -240,38 +245,43 @@ class MegatronPolicy:
         depth_stats: list[list[float]] = []
         policy_loss_total = 0.0
         head_seconds = 0.0
-        for mb in micro_batches(batch, self.cfg.micro_batch_size):
-            logits = self._forward(mb)
-            lp = token_logprobs(logits, mb["input_ids"])
-            loss, m = self._policy_loss(policy_loss, kw, mb, lp, counts)
-            loss.backward()
-            policy_loss_total += float(loss.detach())
-            weight = float(mb["loss_mask"].float().sum())  # loss-function metrics: token-weighted mean
-            for k, v in m.items():
-                key = k if "/" in k else f"policy/{k}"
-                fn_metrics[key] = fn_metrics.get(key, 0.0) + float(v) * weight
-            if not head_on:
-                if self.capture is not None:
-                    self.capture.clear()
-                continue
-            from ..mtp.draft_head import compute_draft_loss
+        if self.cfg.pp > 1:
+            acc = self._pipelined_losses(batch, policy_loss, kw, counts, spec, n_draft, head_on)
+            fn_metrics, depth_stats, policy_loss_total, head_seconds = acc
+        else:
+            for mb in micro_batches(batch, self.cfg.micro_batch_size):
+                logits = self._forward(mb)
+                lp = token_logprobs(logits, mb["input_ids"])
+                loss, m = self._policy_loss(policy_loss, kw, mb, lp, counts)
+                loss.backward()
+                policy_loss_total += float(loss.detach())
+                weight = float(mb["loss_mask"].float().sum())  # loss-function metrics: token-weighted mean
+                for k, v in m.items():
+                    key = k if "/" in k else f"policy/{k}"
+                    fn_metrics[key] = fn_metrics.get(key, 0.0) + float(v) * weight
+                if not head_on:
+                    if self.capture is not None:
+                        self.capture.clear()
+                    continue
+                from ..mtp.draft_head import compute_draft_loss
 
-            t_head = self.device.clock()
-            res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
-            del logits, lp
-            if res.loss_sum.requires_grad:
-                (res.loss_sum * (self.cfg.mtp_loss_weight / n_draft)).backward()
-            head_seconds += self.device.clock() - t_head
-            depth_stats += [[0.0, 0.0, 0.0] for _ in range(len(res.per_depth) - len(depth_stats))]
-            for acc, vals in zip(depth_stats, res.per_depth):
-                for i in range(3):
-                    acc[i] += vals[i]
+                t_head = self.device.clock()
+                res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
+                del logits, lp
+                if res.loss_sum.requires_grad:
+                    (res.loss_sum * (self.cfg.mtp_loss_weight / n_draft)).backward()
+                head_seconds += self.device.clock() - t_head
+                depth_stats += [[0.0, 0.0, 0.0] for _ in range(len(res.per_depth) - len(depth_stats))]
+                for acc, vals in zip(depth_stats, res.per_depth):
+                    for i in range(3):
+                        acc[i] += vals[i]
         metrics = {k: self._global_sum(v) / counts["tokens"] for k, v in fn_metrics.items()}
         self.policy_side.reduce_grads()
         metrics["policy/loss"] = self._global_sum(policy_loss_total)
         metrics["policy/lr"] = self.policy_sched.get_last_lr()[0]
         metrics["policy/grad_norm"] = self.policy_side.step()  # clip over the policy's params only, then step
         self.policy_sched.step()
+        self._refresh_embedding_copy()
         if head_on:
             t_head = self.device.clock()
             self.head_side.reduce_grads()
@@ -287,6 +297,8 @@ class MegatronPolicy:
                 metrics[f"mtp/top1_agreement_pos_{d}"] = self._global_sum(agree) / max(self._global_sum(n), 1.0)
         self.step += 1
         metrics["policy/step"] = float(self.step)
+        if self.cfg.pp > 1:   # the losses live on the last stage, the grad norm is global: its view, everywhere
+            metrics = self._from_last_stage(metrics)
         return metrics
 
     # ------------------------------------------------------------------ weights
@@ -298,18 +310,33 @@ class MegatronPolicy:
         draft = which == "draft"
         return {mg: r for mg, r in self.weight_rules.items() if mg.startswith(HEAD_PREFIX) == draft}
 
+    def _stage_tensors(self, param: torch.Tensor, rule) -> list[torch.Tensor]:
+        """One parameter's full HF tensors (gathered over TP), from the stage that holds it."""
+        t = param.detach()
+        if self.cfg.tp == 1:
+            parts = [t.to("cpu", copy=True)]  # a copy: the consumer must not alias a live parameter
+        else:
+            gathered = [torch.empty_like(t) for _ in range(self.cfg.tp)]
+            dist.all_gather(gathered, t.contiguous(), group=self.tp_group)  # on the rank's device
+            parts = [g.cpu() for g in gathered]
+        return [full.contiguous() for full in rule.to_hf(parts)]
+
     def _iter_hf(self, rules: dict):
+        """(HF name, full tensor) in the global layer order; under PP each tensor comes from the stage that owns
+        it (pipeline_stages.StageLayout.owner), broadcast over the pipeline group: every rank gets every tensor."""
         params = dict(self.model.named_parameters())
+        stage_ranks = dist.get_process_group_ranks(self.pp_group) if self.cfg.pp > 1 else [0]
         for mg, rule in rules.items():
-            t = params[mg].detach()
-            if self.cfg.tp == 1:
-                parts = [t.to("cpu", copy=True)]  # a copy: the consumer must not alias a live parameter
-            else:
-                gathered = [torch.empty_like(t) for _ in range(self.cfg.tp)]
-                dist.all_gather(gathered, t.contiguous(), group=self.tp_group)  # on the rank's device
-                parts = [g.cpu() for g in gathered]
-            for name, full in zip(rule.hf_names, rule.to_hf(parts)):
-                yield name, full.contiguous()
+            owner = self.layout.owner(mg)
+            mine = self._stage_tensors(params[self.layout.local_name(mg)], rule) if owner == self.pp_rank else None
+            if self.cfg.pp == 1:
+                yield from zip(rule.hf_names, mine)
+                continue
+            for i, name in enumerate(rule.hf_names):
+                buf = (mine[i].to(self.device.device) if mine is not None else
+                       torch.empty(self._hf_shapes[name], dtype=self._param_dtype, device=self.device.device))
+                dist.broadcast(buf, src=stage_ranks[owner], group=self.pp_group)
+                yield name, mine[i] if mine is not None else buf.cpu()
 
     def iter_hf_weights(self, which: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) pairs of the "main" model or the "draft" (MTP) head, in layer order,
@@ -320,8 +347,7 @@ class MegatronPolicy:
         return self._iter_hf(self._rules(which))  # ``which`` is checked now, not at the first next()
 
     def _hf_layout(self, rules: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        params = dict(self.model.named_parameters())
-        return [(n, self._hf_shapes[n], params[mg].dtype) for mg, r in rules.items() for n in r.hf_names]
+        return [(n, self._hf_shapes[n], self._param_dtype) for r in rules.values() for n in r.hf_names]
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named weights (main + MTP) on CPU (the whole model in memory: prefer ``iter_hf_weights``)."""

@@ -221,8 +221,10 @@ class ModelFamily:
     def args_from_config(self, hf_cfg: dict):
         raise NotImplementedError
 
-    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
-        """A GPTModel for ``args``; model-parallel state must already be initialised."""
+    def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", pp: int = 1,
+                    pp_rank: int = 0):
+        """A GPTModel for ``args`` (stage ``pp_rank`` of ``pp``: its layers; the MTP block on the last stage);
+        model-parallel state must already be initialised."""
         raise NotImplementedError
 
     def weight_rules(self, args, mtp_layers: int) -> dict[str, WeightRule]:

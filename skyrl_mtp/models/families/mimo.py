@@ -30,6 +30,7 @@ from .megatron_common import (
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
+    pipeline_stage_flags,
     rope_base,
 )
 
@@ -83,7 +84,7 @@ class HFModelArgs:
         )
 
 
-def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -91,7 +92,7 @@ def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, d
                     intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
     return TransformerConfig(
         **gated_rmsnorm_decoder_kwargs(args, qkv_bias=args.qkv_bias),
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, pp=pp),
     )
 
 
@@ -116,22 +117,23 @@ class MiMoFamily(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> HFModelArgs:
         return HFModelArgs.from_hf_config(hf_cfg)
 
-    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+    def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                    pp: int = 1, pp_rank: int = 0):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
-        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
+        stage = pipeline_stage_flags(args, pp=pp, pp_rank=pp_rank)
+        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, pp=pp)
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         mtp_spec = None
-        if mtp_num_layers > 0:
-            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+        if mtp_num_layers > 0:   # None on every stage but the last (megatron-core places MTP there)
+            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False, pp_rank=pp_rank)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position,
-            pre_process=True,
-            post_process=True,
+            **stage,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=rope_base(args.rope_theta),

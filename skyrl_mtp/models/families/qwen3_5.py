@@ -40,6 +40,7 @@ from .megatron_common import (
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
+    pipeline_stage_flags,
     rope_base,
 )
 
@@ -124,7 +125,7 @@ class Qwen35Args:
 
 
 def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
-                       deterministic: bool = True):
+                       deterministic: bool = True, pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -145,7 +146,7 @@ def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dt
         linear_num_key_heads=args.linear_num_key_heads,
         linear_num_value_heads=args.linear_num_value_heads,
         deterministic_mode=deterministic,
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, pp=pp),
     )
 
 
@@ -200,30 +201,39 @@ class Qwen35Family(ModelFamily):
     def args_from_config(self, hf_cfg: dict) -> Qwen35Args:
         return Qwen35Args.from_hf_config(hf_cfg)
 
-    def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
+    def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
+                    pp: int = 1, pp_rank: int = 0):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         from .torch_kernels import OffsetRMSNorm, enable_torch_gated_delta_net
 
         if mtp_num_layers > 1:
             raise ModelBuildError(f"mtp_num_layers={mtp_num_layers}: Qwen3.5 checkpoints share one fc/norm set "
                                   "across MTP layers and vLLM drafts with layer 0 only; allowed: 0 or 1")
+        stage = pipeline_stage_flags(args, pp=pp, pp_rank=pp_rank)
         deterministic = enable_torch_gated_delta_net()
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype,
-                                    deterministic=deterministic)
+                                    deterministic=deterministic, pp=pp)
         gdn, attn, backend = _layer_specs()
-        block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in args.layer_types],
+        # this stage's layers (a block given its layer specs builds exactly those, numbered from the stage offset)
+        first = get_transformer_layer_offset(config, vp_stage=None, pp_rank=pp_rank)
+        types = args.layer_types[first:first + get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)]
+        block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in types],
                                            layer_norm=OffsetRMSNorm)
-        mtp_spec = get_gpt_mtp_block_spec_for_backend(config, attn, backend) if mtp_num_layers > 0 else None
+        mtp_spec = (get_gpt_mtp_block_spec_for_backend(config, attn, backend, pp_rank=pp_rank)   # last stage only
+                    if mtp_num_layers > 0 else None)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position,
-            pre_process=True,
-            post_process=True,
+            **stage,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_percent=args.partial_rotary_factor,

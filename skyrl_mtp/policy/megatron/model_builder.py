@@ -42,10 +42,11 @@ def resolve_mtp_layers(args, requested: int | None, mtp_enabled: bool = True) ->
     return requested
 
 
-def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32"):
-    """The family's GPTModel for ``args``; model-parallel state must already be initialised."""
+def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32", pp: int = 1, pp_rank: int = 0):
+    """The family's GPTModel for ``args`` (pipeline stage ``pp_rank`` of ``pp``); model-parallel state must
+    already be initialised."""
     family: ModelFamily = args.family
-    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype)
+    model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, pp=pp, pp_rank=pp_rank)
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model
 

@@ -75,23 +75,29 @@ def allreduce_grads(params: list[torch.nn.Parameter], group) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=None) -> float:
-    """Global L2 grad-norm (TP-aware: sharded params summed across ranks, replicated ones once), then clip.
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=None, pp_group=None) -> float:
+    """Global L2 grad-norm (TP-aware: sharded params summed across ranks, replicated ones once; summed over the
+    pipeline stages of ``pp_group``, which hold disjoint params), then clip.
 
-    With one TP rank this is exactly ``torch.nn.utils.clip_grad_norm_``.
+    With one TP rank and one stage this is exactly ``torch.nn.utils.clip_grad_norm_``.
     """
     grads = [p for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    if tp_size == 1:
+    pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
+    if pp_size == 1 and not grads:
+        return 0.0
+    if tp_size == 1 and pp_size == 1:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    tp_rank = dist.get_rank(tp_group)
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].grad.device)  # a collective's tensor: on the grads' device
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    device = grads[0].grad.device if grads else params[0].device   # a collective's tensor: on the grads' device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in grads:
         if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
             sq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq, group=tp_group)
+    if tp_size > 1:
+        dist.all_reduce(sq, group=tp_group)
+    if pp_size > 1:   # every stage takes part, with or without gradients of its own
+        dist.all_reduce(sq, group=pp_group)
     total = math.sqrt(float(sq))
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
@@ -102,12 +108,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=N
 
 class TorchSideOptimizer:
     """One side (policy or MTP head) on the torch path: AdamW over ``params``, gradients summed over data
-    parallel by ``allreduce_grads``, clipped by ``clip_grad_norm`` over this side's params only.
+    parallel by ``allreduce_grads``, clipped by ``clip_grad_norm`` over this side's params only (on every
+    pipeline stage of ``pp_group`` for the policy, whose params the stages split).
     ``distributed_optimizer.MegatronSideOptimizer`` is the GPU twin with the same methods."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
-                 grad_clip: float, dp_group, tp_group):
+                 grad_clip: float, dp_group, tp_group, pp_group=None):
         self.params, self.grad_clip, self.dp_group, self.tp_group = params, grad_clip, dp_group, tp_group
+        self.pp_group = pp_group
         self.opt = build_optimizer(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     @property
@@ -122,7 +130,7 @@ class TorchSideOptimizer:
 
     def step(self) -> float:
         """Clip, step; the pre-clip global grad-norm."""
-        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group)
+        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group, self.pp_group)
         self.opt.step()
         return norm
 

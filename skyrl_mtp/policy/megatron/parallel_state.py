@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 
 def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, tp: int, seed: int,
-                     device=None, listen_socket: socket.socket | None = None) -> None:
-    """Initialise the default process group and Megatron's TP/DP groups (idempotent).
+                     device=None, listen_socket: socket.socket | None = None, pp: int = 1) -> None:
+    """Initialise the default process group and Megatron's TP/PP/DP groups (idempotent).
 
     ``device``: the rank's ``RankDevice`` (default: ``device.rank_device()``); it is made current first.
     ``listen_socket`` (rank 0 only): the socket already bound to ``master_port`` (``net.listening_socket``);
@@ -20,8 +20,8 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
 
     from ..device import activate, rank_device
 
-    if world_size % tp:
-        raise ValueError(f"world_size={world_size} is not divisible by tp={tp}")
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}")
     if listen_socket is not None and rank != 0:
         raise ValueError(f"only rank 0 serves the rendezvous store; rank {rank} was given a listen socket")
     dev = device or rank_device()
@@ -35,7 +35,7 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
                               master_listen_fd=None if listen_socket is None else listen_socket.detach())
         dist.init_process_group(dev.backend, store=store, rank=rank, world_size=world_size, **kw)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

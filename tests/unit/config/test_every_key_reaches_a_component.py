@@ -50,6 +50,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),   # issue 17
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
+    "megatron.pp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),
     "megatron.mtp_num_layers": (1, {}),
     "megatron.mtp_loss_chunk_size": (1024, {}),
@@ -97,7 +98,6 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
 
 # keys whose only supported value is the default: any other value is rejected, naming the key
 ONLY_ONE_VALUE = {
-    "megatron.pp": 2,                         # no pipeline parallelism in the policy worker
     "megatron.cp": 2,                         # no context parallelism in the policy worker
     "generator.backend": "sglang",            # vLLM is the one inference backend
     "algorithm.advantage_estimator": "rloo",  # GRPO is the one advantage estimator

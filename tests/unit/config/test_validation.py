@@ -124,7 +124,8 @@ def test_search_env_needs_a_retriever():
         (["generator.n_samples_per_prompt=1"], "generator.n_samples_per_prompt=1 is invalid: must be >= 2 with "
                                                "algorithm.advantage_estimator=grpo"),
         (["trainer.mtp.loss_type=kl"], "trainer.mtp.loss_type='kl' is invalid: must be one of"),
-        (["megatron.pp=2", "megatron.dp=1"], "megatron.pp=2 is invalid: only 1 is supported"),
+        (["megatron.pp=3", "trainer.placement.policy_num_workers=3"],
+         "megatron.pp=3 is invalid: must divide the model's 2 decoder layers"),
         (["megatron.head_optimizer.lr_schedule=step"], "megatron.head_optimizer.lr_schedule='step' is invalid"),
         (["logger.wandb_mode=sometimes"], "logger.wandb_mode='sometimes' is invalid: must be one of"),
         (["model.tiny.heads=3"], "model.tiny.heads=3 is invalid: a divisor of hidden=128"),
