@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from context_blind_drafter import context_blind_drafter
 
 from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
 from skyrl_mtp.rollout.client import EngineClient
 from skyrl_mtp.rollout.config import EngineConfig
 from skyrl_mtp.rollout.sampling import SamplingSpec
-
-from .context_blind_drafter import context_blind_drafter
 
 pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[3]
