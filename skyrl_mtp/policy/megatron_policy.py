@@ -93,8 +93,7 @@ class MegatronPolicy(PipelinedSteps):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_group = ps.get_pipeline_model_parallel_group() if cfg.pp > 1 else None
         self.pp_rank = ps.get_pipeline_model_parallel_rank() if cfg.pp > 1 else 0
-        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype,
-                                     pp=cfg.pp, pp_rank=self.pp_rank)
+        self.model = self._build_model()
         has_mtp = getattr(self.model, "mtp", None) is not None   # on the last stage only under PP
         self.layout = (stage_layout(self.model.config, self.pp_rank, cfg.pp, has_mtp) if cfg.pp > 1
                        else single_stage(self.args.num_layers, has_mtp))
@@ -130,6 +129,27 @@ class MegatronPolicy(PipelinedSteps):
                                            warmup_steps=cfg.head_lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
             self.capture = MTPInputCapture(self.model)
         self.step = 0
+
+    def _build_model(self):
+        """This rank's stage of the model. Under PP, megatron-core ties the last stage's embedding copy to the
+        first stage's at construction (an all-reduce of ``weight.data.cuda()``: the CPU shim's scope on CPU)
+        and, with MTP there, flags the last stage's (untied) output layer as that shared weight, which would
+        leave it out of Megatron's grad norm: the flags are cleared (the copy is refreshed by this class)."""
+        from contextlib import nullcontext
+
+        from .megatron.cpu_shim import cuda_calls_on_cpu
+
+        cfg = self.cfg
+        scope = cuda_calls_on_cpu() if cfg.pp > 1 and not self.device.is_cuda else nullcontext()
+        with scope:
+            model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, dtype=cfg.dtype,
+                                    pp=cfg.pp, pp_rank=self.pp_rank)
+        out = getattr(model, "output_layer", None)
+        if cfg.pp > 1 and out is not None and not self.args.tie_word_embeddings:
+            for flag in ("shared", "shared_embedding"):
+                if getattr(out.weight, flag, False):
+                    setattr(out.weight, flag, False)
+        return model
 
     def _build_sides(self):
         """(policy side, head side or None): Megatron DDP + distributed optimizer on GPU, torch AdamW on

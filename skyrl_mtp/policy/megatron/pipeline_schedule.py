@@ -16,7 +16,7 @@ decoupled draft loss there, see MegatronPolicy). Settings of the model config th
 
 On CPU the schedule's few CUDA-only calls (a token counter created on ``device="cuda"``; p2p buffers on
 ``torch.cuda.current_device()``) run under the CPU shim (``cpu_shim.apply_cpu_shim`` and its
-``megatron_optimizer_on_cpu`` scope). The micro-batch size is fixed per schedule run (the p2p buffers have
+``cuda_calls_on_cpu`` scope). The micro-batch size is fixed per schedule run (the p2p buffers have
 one shape): a remainder runs as a second, smaller run; gradients accumulate across runs as across micro-batches.
 """
 
@@ -97,9 +97,9 @@ def run_pipeline(model: torch.nn.Module, micro_batches: list[dict], last_stage_l
 
     scope = contextlib.nullcontext()
     if on_cpu:
-        from .cpu_shim import megatron_optimizer_on_cpu
+        from .cpu_shim import cuda_calls_on_cpu
 
-        scope = megatron_optimizer_on_cpu()
+        scope = cuda_calls_on_cpu()
     with scope:
         for run in _runs(micro_batches):
             b, s = run[0]["input_ids"].shape

@@ -51,6 +51,12 @@ class PipelineParallelDraftScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.scheduler_config.async_scheduling or getattr(self.vllm_config, "use_v2_model_runner", False):
+            raise PipelineParallelSchedulerError(
+                "skyrl_mtp's pipeline-parallel draft scheduler covers vLLM's V1 model runner with synchronous "
+                "scheduling (vLLM's choice for V1 with pipeline parallelism); this engine runs "
+                f"{'the V2 runner' if getattr(self.vllm_config, 'use_v2_model_runner', False) else 'async scheduling'}"
+                ": on GPUs set VLLM_USE_V2_MODEL_RUNNER=0")
         self._in_flight: set[str] = set()
         self._held: dict[str, list[int]] = {}
         self.held_draft_sets = 0   # drafts that arrived while their request's batch was in flight
