@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from pipeline_rank import run_pipeline_rank
 from safetensors.torch import load_file
 
+from skyrl_mtp.models.tiny import TinyModelSpec, build_tiny_checkpoint
 from skyrl_mtp.net import free_port
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron_policy import MegatronPolicy, reproducible_metrics
@@ -30,9 +31,8 @@ def batches():
     return random_dapo_batches(3, 100, 6, 20, prompt_len=6, old_logprob=-4.0)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_ckpt):
-    pol = MegatronPolicy(PolicyWorkerConfig(**CFG), str(tiny_ckpt), 0, 1, "127.0.0.1", free_port())
+def _one_process(ckpt) -> dict:
+    pol = MegatronPolicy(PolicyWorkerConfig(**CFG), str(ckpt), 0, 1, "127.0.0.1", free_port())
     bs = batches()
     out = {"logprobs": pol.compute_logprobs(bs[0]), "metrics": [pol.train_step(b, "dapo", {}) for b in bs],
            "weights": pol.export_weights()}
@@ -40,14 +40,32 @@ def reference(tiny_ckpt):
     return out
 
 
+def _pipelined(ckpt, tmp_path, **layout) -> list[dict]:
+    world = 2 * layout.get("tp", 1) * layout.get("dp", 1)
+    out = tmp_path / "res"
+    mp.start_processes(run_pipeline_rank, nprocs=world, join=True, start_method="spawn",
+                       args=(world, free_port(), str(ckpt), dict(CFG, pp=2, **layout), batches(), str(out),
+                             str(tmp_path / "ck")))
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def _assert_matches(r0: dict, ref: dict) -> None:
+    for m, m_ref in zip(r0["metrics"], ref["metrics"]):
+        for k in METRICS:
+            assert m[k] == pytest.approx(m_ref[k], rel=1e-5, abs=1e-7), k
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(r0["weights"][k], v, atol=1e-4, rtol=1e-4, msg=k)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    return _one_process(tiny_ckpt)
+
+
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 2)])
 def test_pipeline_parallel_policy_matches_one_process(tiny_ckpt, reference, tmp_path, tp, dp):
-    world = 2 * tp * dp
-    out, ck = tmp_path / "res", tmp_path / "ck"
-    mp.start_processes(run_pipeline_rank, nprocs=world, join=True, start_method="spawn",
-                       args=(world, free_port(), str(tiny_ckpt), dict(CFG, pp=2, tp=tp, dp=dp), batches(), str(out),
-                             str(ck)))
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+    ranks = _pipelined(tiny_ckpt, tmp_path, tp=tp, dp=dp)
+    ck = tmp_path / "ck"
     r0 = ranks[0]
     # the stages: one decoder layer each, the MTP block and its own head optimizer on the last one
     stages = {r["stage"] for r in ranks}
@@ -55,12 +73,8 @@ def test_pipeline_parallel_policy_matches_one_process(tiny_ckpt, reference, tmp_
     assert all(r["head_side"] == r["stage"][3] for r in ranks)
     lps = torch.cat([ranks[d * tp]["logprobs"] for d in range(dp)])   # rank d*tp: DP rank d of the first stage
     torch.testing.assert_close(lps, reference["logprobs"], atol=1e-5, rtol=1e-5)
-    for m, ref in zip(r0["metrics"], reference["metrics"]):
-        for k in METRICS:
-            assert m[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+    _assert_matches(r0, reference)
     assert all(r["metrics"] == r0["metrics"] for r in ranks)   # every rank reports the last stage's numbers
-    for k, v in reference["weights"].items():
-        torch.testing.assert_close(r0["weights"][k], v, atol=1e-4, rtol=1e-4, msg=k)
     # the last stage's embedding copy equals the trained embedding (the MTP block embeds with it)
     firsts = [r for r in ranks if "embedding" in r]
     copies = [r for r in ranks if "embedding_copy" in r]
@@ -83,3 +97,13 @@ def test_pipeline_parallel_policy_matches_one_process(tiny_ckpt, reference, tmp_
     assert all(torch.equal(hf[k], v) for k, v in r0["saved_weights"].items())
     draft = load_file(str(ck / "draft_head" / "draft_head.safetensors"))
     assert set(draft) == {k for k in hf if k.startswith("model.mtp_layers.")} and draft
+
+
+def test_pipeline_parallel_hybrid_gdn_policy_matches_one_process(tmp_path):
+    """Qwen3.5 (Gated DeltaNet layer on the first stage, gated attention and the MTP layer on the last)."""
+    ckpt = build_tiny_checkpoint(tmp_path / "q35", TinyModelSpec(family="qwen3_5", seed=4))
+    ranks = _pipelined(ckpt, tmp_path / "pp")
+    assert {r["stage"] for r in ranks} == {(0, 0, 1, False), (1, 1, 1, True)}
+    ref = _one_process(ckpt)
+    torch.testing.assert_close(ranks[0]["logprobs"], ref["logprobs"], atol=1e-5, rtol=1e-5)
+    _assert_matches(ranks[0], ref)

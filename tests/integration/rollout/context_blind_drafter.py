@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-EMBED_SCALE = 50.0   # tiny embeddings are drawn with std 0.02: scaled to std 1
+EMBED_SCALE = 6.0   # tiny embeddings are drawn with std 0.02: the trunk flips about 4 in 10 of the drafts
 
 
 def _silence_block(sd: dict[str, torch.Tensor], prefix: str) -> None:

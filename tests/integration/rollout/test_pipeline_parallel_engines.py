@@ -130,8 +130,12 @@ def _check_weight_sync(pp1: EngineClient, pp2: EngineClient, other_ckpt: Path) -
     for client in (pp1, pp2):
         client.sync_weights(weights)
     d1, d2 = pp1.weight_digests()[0], pp2.weight_digests()[0]
-    assert d2 == d1 and d2 != before
-    assert any(n.startswith("draft.") and "embed_tokens" in n for n in d2)
+    # every parameter under the same name with the same bytes (buffers vLLM shares between layers, such as a
+    # rotary cache, are named after the first layer of each stage that holds them: compared where both have them)
+    common = d1.keys() & d2.keys()
+    params = {n for n in d1.keys() | d2.keys() if n.endswith((".weight", ".bias"))}
+    assert params <= common and all(d1[n] == d2[n] for n in common) and d2 != before
+    assert "draft.model.embed_tokens.weight" in common   # the drafter's own embedding copy, refreshed
     first, last = ray.get(pp2.actors[0].pipeline_parallel_stats.remote())
     assert last["drafter_embedding_loads"] == 1
     tokens1, m1 = _run(pp1, GREEDY, "synced")
