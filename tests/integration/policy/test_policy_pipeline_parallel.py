@@ -74,7 +74,9 @@ def test_pipeline_parallel_policy_matches_one_process(tiny_ckpt, reference, tmp_
     lps = torch.cat([ranks[d * tp]["logprobs"] for d in range(dp)])   # rank d*tp: DP rank d of the first stage
     torch.testing.assert_close(lps, reference["logprobs"], atol=1e-5, rtol=1e-5)
     _assert_matches(r0, reference)
-    assert all(r["metrics"] == r0["metrics"] for r in ranks)   # every rank reports the last stage's numbers
+    # every rank reports its last stage's numbers (wall-clock timings are each last-stage TP rank's own)
+    assert all([reproducible_metrics(m) for m in r["metrics"]] == [reproducible_metrics(m) for m in r0["metrics"]]
+               for r in ranks)
     # the last stage's embedding copy equals the trained embedding (the MTP block embeds with it)
     firsts = [r for r in ranks if "embedding" in r]
     copies = [r for r in ranks if "embedding_copy" in r]
