@@ -193,7 +193,7 @@ class EngineConfig:
             from skyrl_mtp.rollout.adaptive_speculation import SCHEDULER_CLS
 
             return SCHEDULER_CLS
-        if self.patches_pipeline_parallel and self.num_speculative_tokens > 0:
+        if self.patches_pipeline_parallel:
             return PIPELINE_PARALLEL_SCHEDULER_CLS
         return None
 

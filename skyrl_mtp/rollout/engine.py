@@ -19,7 +19,7 @@ from typing import Any
 
 from skyrl_mtp.rollout import kv_replay_cache
 from skyrl_mtp.rollout.adaptive_speculation import EXPLORE_BUDGET_ENV
-from skyrl_mtp.rollout.config import EngineConfig
+from skyrl_mtp.rollout.config import PIPELINE_PARALLEL_SCHEDULER_CLS, EngineConfig
 from skyrl_mtp.rollout.policy_trace import POLICY_TRACE_ENV
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
@@ -217,6 +217,14 @@ class InferenceEngine:
             kwargs = engine_kwargs_for_family(family, kwargs, cfg.engine_kwargs, on_cpu=on_cpu)
             family.prepare_vllm_import()
             os.environ[FAMILY_ENV] = family.name  # the workers make the same preparation (worker_extension.py)
+        if kwargs.get("scheduler_cls") == PIPELINE_PARALLEL_SCHEDULER_CLS:
+            # the class, not its name: the EngineCore process unpickles it before it validates the config
+            # (vllm_patches/pipeline_parallel_scheduler.py)
+            from skyrl_mtp.rollout.vllm_patches.pipeline_parallel_scheduler import (
+                PipelineParallelDraftScheduler,
+            )
+
+            kwargs["scheduler_cls"] = PipelineParallelDraftScheduler
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._request_ids = itertools.count()
         self._session: dict[str, Any] | None = None

@@ -12,7 +12,12 @@ then compute garbage positions, and vLLM's non-last stages crash on the empty `n
 `PipelineParallelDraftScheduler` restores that order: drafts for a request whose batch is still in flight are
 held and installed right after that batch's output is applied. Everything else is vLLM's `Scheduler`.
 Installed with the engine argument `scheduler_cls` (rollout/config.py) for engines with
-pipeline_parallel_size > 1 that draft; the worker half is pipeline_parallel.py.
+pipeline_parallel_size > 1; the worker half is pipeline_parallel.py. The engine passes the class itself, not
+its name (engine.py): vLLM's EngineCore process unpickles it with the engine's config, before it re-validates
+that config, which with PP > 1 inspects the model's architecture (`ModelConfig.verify_with_parallel_config`).
+Importing this module therefore makes the served family's vLLM model code importable in that process first
+(models.families.prepare_vllm_worker: Qwen3.5's import shim where torchvision is absent), as the worker
+extension does in the workers.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ import inspect
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from skyrl_mtp.models.families import prepare_vllm_worker
+
+prepare_vllm_worker()   # in the EngineCore process, before it inspects the architecture (see the docstring)
 
 # overridden method -> the leading parameters it must still have
 OVERRIDDEN = {"schedule": ("self",), "update_from_output": ("self", "scheduler_output", "model_runner_output"),

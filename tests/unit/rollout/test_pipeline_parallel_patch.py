@@ -128,9 +128,10 @@ def test_engine_config_installs_both_halves_only_for_pipeline_parallel_drafting(
     assert engine_environment(pp2)[ENV_VAR] == "1"
     off = cfg(pipeline_parallel_size=2, num_speculative_tokens=2, pipeline_parallel_patch=False)
     assert off.managed_engine_kwargs("x")["scheduler_cls"] is None and engine_environment(off)[ENV_VAR] == "0"
-    # PP without drafting needs the worker half only (the activation buffer); PP=1 needs neither
+    # PP without drafting: both halves too (the scheduler's class also prepares the family in the engine core)
     nospec = cfg(pipeline_parallel_size=2)
-    assert nospec.managed_engine_kwargs("x")["scheduler_cls"] is None and engine_environment(nospec)[ENV_VAR] == "1"
+    assert nospec.managed_engine_kwargs("x")["scheduler_cls"] == PIPELINE_PARALLEL_SCHEDULER_CLS
+    assert engine_environment(nospec)[ENV_VAR] == "1"
     assert engine_environment(cfg(num_speculative_tokens=2))[ENV_VAR] == "0"
     with pytest.raises(ValueError, match="adaptive_speculation=True is invalid: False with pipeline_parallel_size"):
         cfg(pipeline_parallel_size=2, num_speculative_tokens=2, adaptive_speculation=True)
