@@ -13,8 +13,10 @@ rollout/test_pipeline_parallel_engines.py):
    off (the runner's `speculative_config` hidden for the call; those branches are all it gates there).
 3. The accounting invariant of vLLM PR #44698 (pp_spec_accounting.py): after every step the last stage
    broadcasts each request's kept tokens and new drafts over the PP group, and every stage applies them
-   before the request's next step: its input tokens and cached outputs (vLLM's non-last stages wrote the
-   scheduler's one new token over every accepted position), `num_accepted_tokens` by request id (vLLM resets
+   before the request's next step: its cached outputs and input tokens (vLLM's non-last stages append only
+   the scheduler's one new token and write it over every accepted position; a request re-entering the
+   persistent batch, every other step under PP's batch queue, then had its drafts placed too early and ran on
+   stale tokens: greedy outputs diverged after accepted drafts), `num_accepted_tokens` by request id (vLLM resets
    it to 1 whenever a request re-enters the persistent batch, which PP's batch queue makes common, and never
    sets it off the last stage: hybrid GDN models then resume from the wrong recurrent state), and a check that
    the scheduler's `num_computed_tokens`, next input token and drafts agree with the last stage; a mismatch
@@ -210,24 +212,26 @@ def _sample_tokens(original: Callable) -> Callable:
 def _update_states(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(self, scheduler_output, *args, **kwargs):
+        if not _drafting(self):
+            return original(self, scheduler_output, *args, **kwargs)
+        _check_runner(self)
+        due = _records_due(self, scheduler_output)
+        if not _pp().is_last_rank:
+            _apply_to_cached_outputs(self, due)
         result = original(self, scheduler_output, *args, **kwargs)
-        if _drafting(self):
-            _check_runner(self)
-            _apply_records(self, scheduler_output)
+        _apply_to_batch(self, due)
         return result
     return wrapper
 
 
-def _apply_records(runner: Any, so: Any) -> None:
-    """Before the step's inputs are prepared: every stage applies what the last stage kept at each scheduled
-    request's previous step (see the module docstring, point 3)."""
+def _records_due(runner: Any, so: Any) -> dict[str, acct.StepRecord]:
+    """The records of the requests this step continues (checked against what the scheduler sends); the others
+    (finished, new, resumed after preemption) are dropped."""
     records: acct.StepRecords = runner._skyrl_pp_records
     records.drop(so.finished_req_ids)
     records.drop(r.req_id for r in so.scheduled_new_reqs)
     cached = so.scheduled_cached_reqs
-    last = _pp().is_last_rank
-    hybrid = runner.model_config.is_hybrid
-    batch, stats = runner.input_batch, runner._skyrl_pp_stats
+    due = {}
     for i, rid in enumerate(cached.req_ids):
         rec = records.pop(rid)
         if rec is None or rid in cached.resumed_req_ids:
@@ -235,7 +239,32 @@ def _apply_records(runner: Any, so: Any) -> None:
         new_tokens = cached.new_token_ids[i] if cached.new_token_ids else None
         acct.check_next_step(rec, int(cached.num_computed_tokens[i]), new_tokens,
                              so.scheduled_spec_decode_tokens.get(rid, ()))
-        stats["checked"] += 1
+        runner._skyrl_pp_stats["checked"] += 1
+        due[rid] = rec
+    return due
+
+
+def _apply_to_cached_outputs(runner: Any, due: dict[str, acct.StepRecord]) -> None:
+    """Off the last stage, before vLLM updates its states: each request's cached outputs end with what the last
+    stage kept. vLLM appends only the scheduler's one new token there, so a request that re-enters the
+    persistent batch (add_request builds its row from these outputs, every other step under PP's batch queue)
+    would get its drafts written at too early a position and run on stale tokens."""
+    for rid, rec in due.items():
+        if rec.kept:
+            state = runner.requests[rid]
+            start = rec.request.first_sample_position
+            del state.output_token_ids[start - state.num_prompt_tokens:]
+            state.output_token_ids.extend(rec.kept)
+
+
+def _apply_to_batch(runner: Any, due: dict[str, acct.StepRecord]) -> None:
+    """After vLLM updated its states, before the inputs are prepared: the kept tokens in each request's row (vLLM
+    writes its one new token over every accepted position off the last stage), and a hybrid model's accepted
+    counts by request (vLLM resets them to 1 when a request re-enters the batch, never sets them off the last
+    stage)."""
+    last, hybrid = _pp().is_last_rank, runner.model_config.is_hybrid
+    batch, stats = runner.input_batch, runner._skyrl_pp_stats
+    for rid, rec in due.items():
         idx = batch.req_id_to_index[rid]
         if hybrid:
             if int(batch.num_accepted_tokens_cpu[idx]) != rec.num_accepted_tokens:
@@ -244,9 +273,6 @@ def _apply_records(runner: Any, so: Any) -> None:
         if not last and rec.kept:
             start = rec.request.first_sample_position
             batch.token_ids_cpu[idx, start:start + len(rec.kept)] = rec.kept
-            state = runner.requests[rid]
-            del state.output_token_ids[start - state.num_prompt_tokens:]
-            state.output_token_ids.extend(rec.kept)
             stats["tokens_rewritten"] += len(rec.kept)
 
 
