@@ -2,7 +2,7 @@
 
 An engine actor builds vLLM, which starts its EngineCore process (and, with the multiprocessing executor,
 worker processes) by itself. Code of this project runs in those processes (the worker extension, the
-sampling patches) and needs a few of the run's settings there. They travel as one
+sampling and pipeline-parallel patches) and needs a few of the run's settings there. They travel as one
 frozen `EngineProcessSettings`, serialised as JSON into one environment variable that the actor sets
 before vLLM starts: every vLLM process inherits the environment, and part of that code runs at import,
 before any vLLM config exists. Each process reads it with `current()`.
@@ -21,6 +21,7 @@ ENV_VAR = "SKYRL_MTP_ENGINE_PROCESS"
 class EngineProcessSettings:
     cpu_sampling_fix: bool = True            # vllm_patches/cpu_sampling_fix.py (CPU workers)
     draft_invariant_sampling: bool = True    # vllm_patches/draft_invariant_sampling.py (CPU workers)
+    pipeline_parallel_patch: bool = False    # vllm_patches/pipeline_parallel.py (engines with PP > 1, V1 runner)
     model_family: str | None = None          # the served family whose vLLM model code must be importable
 
     def to_env(self) -> dict[str, str]:

@@ -1,11 +1,11 @@
 """Where engines and policy workers run: a bundle plan checked against what the Ray cluster has.
 
 A run asks (`PlacementRequest`, from its run plan) for `generator.num_engines` vLLM engines of
-`generator.tensor_parallel_size` GPUs each and `trainer.placement.policy_num_workers` Megatron ranks
-(= tp*pp*cp*dp), either in separate GPU pools or colocated (each GPU hosts one policy rank and one
-engine rank; engines sleep while the policy trains). Planning is a pure function of the request and of
-the resources Ray reports, so a cluster too small fails before any actor starts, with the numbers
-that do not add up.
+`generator.tensor_parallel_size * pipeline_parallel_size` GPUs each (one per worker; an engine's pipeline stages
+run on one node) and `trainer.placement.policy_num_workers` Megatron ranks (= tp*pp*cp*dp), either in separate
+GPU pools or colocated (each GPU hosts one policy rank and one engine rank; engines sleep while the policy
+trains). Planning is a pure function of the request and of the resources Ray reports, so a cluster too small
+fails before any actor starts, with the numbers that do not add up.
 
 The plan is one placement group (strategy PACK):
 - separate: one bundle per engine `{CPU: cpus_per_engine, GPU: TP}` (an engine's TP GPUs must sit
@@ -33,7 +33,7 @@ class PlacementRequest:
     """What a run asks of the cluster (built from `trainer.placement.*` and `generator.*` by the run plan)."""
 
     num_engines: int
-    engine_tensor_parallel: int      # GPUs of one engine on GPUs (generator.tensor_parallel_size)
+    engine_workers: int              # workers (GPUs on GPUs) of one engine: tensor x pipeline parallel size
     policy_workers: int              # Megatron ranks (= tp*pp*cp*dp)
     cpus_per_engine: float
     cpus_per_policy_worker: float
@@ -80,7 +80,7 @@ def _fmt(x: float) -> str:
 
 def build_plan(req: PlacementRequest) -> PlacementPlan:
     """The bundle plan of a validated request (config/validation.py checks the layout's consistency)."""
-    n_eng, tp, n_pol = req.num_engines, req.engine_tensor_parallel, req.policy_workers
+    n_eng, tp, n_pol = req.num_engines, req.engine_workers, req.policy_workers
     ce, cw = float(req.cpus_per_engine), float(req.cpus_per_policy_worker)
     gpu = req.gpus_per_engine > 0
     bundles: list[dict[str, float]] = []
@@ -111,11 +111,11 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 
 def _breakdown(req: PlacementRequest, plan: PlacementPlan, resource: str) -> str:
-    n_eng, tp, n_pol = req.num_engines, req.engine_tensor_parallel, req.policy_workers
+    n_eng, tp, n_pol = req.num_engines, req.engine_workers, req.policy_workers
     if resource == "GPU":
         if plan.colocate:
-            return (f"{n_pol} for {n_pol} policy workers (tp*pp*cp*dp); the {n_eng} engines x TP {tp} share them")
-        return f"{n_eng * tp} for {n_eng} engine(s) x TP {tp} + {n_pol} for {n_pol} policy worker(s)"
+            return (f"{n_pol} for {n_pol} policy workers (tp*pp*cp*dp); the {n_eng} engines x {tp} workers share them")
+        return f"{n_eng * tp} for {n_eng} engine(s) x {tp} workers + {n_pol} for {n_pol} policy worker(s)"
     return (f"{_fmt(n_eng * req.cpus_per_engine)} for {n_eng} engine(s) x {_fmt(req.cpus_per_engine)} + "
             f"{_fmt(n_pol * req.cpus_per_policy_worker)} for {n_pol} policy worker(s) x "
             f"{_fmt(req.cpus_per_policy_worker)}")
@@ -154,7 +154,7 @@ def _check_nodes(plan: PlacementPlan, nodes: list[dict[str, float]]) -> None:
     for i, bundle in enumerate(plan.bundles):
         if not any(_fits(bundle, n) for n in nodes):
             largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
-            who = (f"engine {owners[i].index} (tensor_parallel_size={_fmt(bundle.get('GPU', 0))}"
+            who = (f"engine {owners[i].index} ({_fmt(bundle.get('GPU', 0))} workers: tensor x pipeline parallel"
                    f"{' with its colocated policy ranks' if plan.colocate else ''})" if i in owners
                    else f"policy rank {next(a.index for a in plan.policy if a.bundle_index == i)}")
             raise PlacementError(

@@ -187,14 +187,34 @@ def draft_loss_bytes(shape: Any, *, draft_tokens: int, chunk: int, tp: int, act_
     return draft_tokens * v * act_bytes + min(chunk, draft_tokens) * v * DRAFT_CHUNK_BYTES_PER_LOGIT + replay
 
 
-def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
+def pipeline_stages(shape: Any, pp: int) -> list[tuple[Any, bool, int, int]]:
+    """(the stage's share of the model as a ModelShape, it holds the MTP layers, micro-batches its 1F1B schedule
+    keeps in flight, parameters it holds without training them) for the stages that bound the peak: the first
+    (the embedding, and pp micro-batches of activations in flight) and the last (the output layer and the MTP
+    layers with their copy of the embedding). Pipeline parallelism needs an untied LM head (pipeline_stage_flags)."""
+    if pp == 1:
+        return [(shape, True, 1, 0)]
+    embed = shape.vocab * shape.hidden
+    layers = shape.params_sharded - 2 * embed
+
+    def stage(n_layers: int) -> Any:
+        return replace(shape, layers=n_layers, attention_layers=max(shape.attention_layers * n_layers // shape.layers, 1),
+                       params_sharded=layers // pp + embed, params_replicated=shape.params_replicated // pp,
+                       expert_params=shape.expert_params // pp,
+                       linear_state=shape.linear_state // pp)
+
+    per = shape.layers // pp
+    return [(stage(per), False, pp, 0), (stage(per), True, 1, embed)]
+
+
+def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: int, frozen: int) -> PolicyMemory:
     from skyrl_mtp.config.mtp_knob import train_depths
     from skyrl_mtp.mtp.draft_losses import chunk_tokens
 
     m = cfg.megatron
     tp, dp, rows, pbytes = int(m.tp), int(m.dp), int(m.micro_batch_size), DTYPE_BYTES[str(m.dtype)]
     ep = int(m.ep)
-    head = bool(cfg.trainer.mtp.enabled) and shape.mtp_layers > 0
+    head = head and bool(cfg.trainer.mtp.enabled) and shape.mtp_layers > 0
     trunk = shape.params_sharded // tp + shape.params_replicated
     mtp = (shape.mtp_params_sharded // tp + shape.mtp_params_replicated) if head else 0
     # routed experts: ep ranks share them out, and their optimizer state is sharded over the expert data-parallel
@@ -207,19 +227,29 @@ def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
     depths = train_depths(cfg) if head else 0
     kw = dict(rows=rows, seq=seq, tp=tp, flash=flash, act_bytes=pbytes,
               mtp_forward_layers=shape.mtp_layers if head else 0, draft_depths=depths)
-    with_rc, without = activation_bytes(shape, recompute=True, **kw), activation_bytes(shape, recompute=False, **kw)
+    with_rc = in_flight * activation_bytes(shape, recompute=True, **kw)
+    without = in_flight * activation_bytes(shape, recompute=False, **kw)
     draft_tokens = rows * min(seq, int(cfg.generator.sampling.max_tokens))
     draft = 0
     if head:
         chunk = chunk_tokens(m.mtp_loss_chunk_size, shape.vocab // tp) or draft_tokens
         draft = draft_loss_bytes(shape, draft_tokens=draft_tokens, chunk=chunk, tp=tp, act_bytes=pbytes, depths=depths,
                                  rows=rows, seq=seq, flash=flash)
-    return PolicyMemory(weights=params * pbytes, grads=params * 4,
+    # the output layer's logits live on the stage that holds it (the last, or the only one)
+    logits = logits_bytes(shape, tokens=rows * seq, tp=tp, act_bytes=pbytes) if in_flight == 1 else 0
+    return PolicyMemory(weights=(params + frozen // tp) * pbytes, grads=params * 4,
                         optimizer=(trunk + mtp) * (master + 8) // dp + experts * (master + 8) // expert_dp,
                         master_weights=(trunk + mtp) * master // dp + experts * master // expert_dp,
                         activations=with_rc if bool(m.recompute_activations) else without,
                         activations_no_recompute=without, activations_recompute=with_rc,
-                        logits=logits_bytes(shape, tokens=rows * seq, tp=tp, act_bytes=pbytes), draft_loss=draft)
+                        logits=logits, draft_loss=draft)
+
+
+def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
+    """One policy rank's memory; under pipeline parallelism, that of the stage with the higher training peak."""
+    stages = [_stage_memory(s, cfg, flash=flash, head=head, in_flight=n, frozen=frozen)
+              for s, head, n, frozen in pipeline_stages(shape, int(cfg.megatron.pp))]
+    return max(stages, key=lambda p: (p.resident + p.step, p.resident))
 
 
 def kv_bytes_per_token(shape: Any, *, tp: int, kv_bytes: int, drafter: bool) -> int:
@@ -235,6 +265,13 @@ def engine_memory(shape: Any, cfg: Any) -> EngineMemory:
 
     g = cfg.generator
     tp, ebytes, k = int(g.tensor_parallel_size), DTYPE_BYTES[str(g.dtype)], rollout_speculative_tokens(cfg)
+    pp = int(g.pipeline_parallel_size)
+    if pp > 1:   # vLLM splits the layers over the stages; the last one (LM head, drafter) bounds the peak
+        embed = shape.vocab * shape.hidden
+        shape = replace(shape, attention_layers=-(-shape.attention_layers // pp),
+                        params_sharded=(shape.params_sharded - 2 * embed) // pp + embed,
+                        params_replicated=shape.params_replicated // pp, expert_params=shape.expert_params // pp,
+                        linear_state=shape.linear_state // pp)
     drafter = k > 0 and shape.mtp_layers > 0
     kv = int(g.kv_cache_memory_mb) * MIB
     seqs = int(g.max_num_seqs)

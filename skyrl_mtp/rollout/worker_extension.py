@@ -16,8 +16,8 @@ import os
 import torch
 
 from skyrl_mtp import engine_process
-from skyrl_mtp.models.families import prepare_vllm_worker
-from skyrl_mtp.vllm_patches import draft_invariant_sampling
+from skyrl_mtp.models.families import mtp_hf_names, prepare_vllm_worker
+from skyrl_mtp.vllm_patches import draft_invariant_sampling, pipeline_parallel
 from skyrl_mtp.vllm_patches.cpu_sampling_fix import apply_if_needed
 from skyrl_mtp.weight_sync.registration import register_cpu_transport
 
@@ -39,6 +39,11 @@ if not torch.cuda.is_available():
     from skyrl_mtp.vllm_patches import moe_cpu_repack
 
     MOE_CPU_REPACK_STATUS = moe_cpu_repack.apply()
+
+# Engines with pipeline_parallel_size > 1 (EngineProcessSettings.pipeline_parallel_patch): MTP drafting and weight
+# sync across pipeline stages on vLLM's V1 runner. Before the model runner exists: the patch replaces runner methods.
+PIPELINE_PARALLEL_PATCH_STATUS = pipeline_parallel.apply_if_enabled(SETTINGS.pipeline_parallel_patch,
+                                                                    lambda name: bool(mtp_hf_names([name])))
 
 _WEIGHT_TRANSFER_API = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
                         "update_weights", "finish_weight_update", "get_draft_model")
@@ -79,11 +84,16 @@ class WeightSyncExtension:
         if engine is None:
             raise RuntimeError("vLLM built no weight-transfer engine in this worker (weight_transfer_config unset?)")
         has_drafter = self.get_draft_model() is not None
+        from vllm.distributed import get_pp_group
+
+        pp = get_pp_group()
         if has_drafter and not self.supports_draft_weight_updates():
             raise RuntimeError(f"vLLM's {type(engine).__name__} cannot update the MTP drafter in this worker")
         return {"runner": type(runner).__name__, "has_drafter": has_drafter,
                 "model_runner": runner_generation(runner),
                 "runner_class": f"{type(runner).__module__}.{type(runner).__qualname__}",
+                "pp_rank": pp.rank_in_group, "pp_size": pp.world_size,
+                "pipeline_parallel_patch": PIPELINE_PARALLEL_PATCH_STATUS,
                 "weight_transfer_engine": type(engine).__name__,
                 "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
                 "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
@@ -118,6 +128,9 @@ class WeightSyncExtension:
             raise RuntimeError("adaptive speculation is not installed on this worker")
         return hook.stats()
 
+    def skyrl_pipeline_parallel_stats(self) -> dict:
+        """What the pipeline-parallel patch did in this worker (vllm_patches/pipeline_parallel.py)."""
+        return pipeline_parallel.stats(self.model_runner)
     def skyrl_weight_digest(self) -> dict[str, str]:
         """sha256 of every parameter and buffer of the target model ("model.") and the drafter ("draft."), as
         the worker holds them (after the CPU backend's repacking): a synced engine must equal a fresh one."""

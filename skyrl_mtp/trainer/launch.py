@@ -49,13 +49,14 @@ def resolve_model(plan: RunPlan, cache: Path) -> Path:
 
 
 def check_parallel_layout(plan: RunPlan, model_path: Path) -> None:
-    """The checkpoint's model family accepts the policy's parallel layout (megatron.tp, megatron.ep); raises
+    """The checkpoint's model family accepts the policy's parallel layout (megatron.tp, .ep, .pp); raises
     ModelBuildError naming the key otherwise. Reads config.json only."""
     from skyrl_mtp.models.families import family_for_config, read_hf_config
 
     hf_cfg = read_hf_config(model_path)
     family = family_for_config(hf_cfg)
-    family.check_parallel(family.args_from_config(hf_cfg), tp=plan.policy_worker.tp, ep=plan.policy_worker.ep)
+    family.check_parallel(family.args_from_config(hf_cfg), tp=plan.policy_worker.tp, ep=plan.policy_worker.ep,
+                          pp=plan.policy_worker.pp)
 
 
 def synthetic_data(plan: RunPlan, cache: Path) -> dict[str, Path]:

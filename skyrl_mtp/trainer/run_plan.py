@@ -316,7 +316,7 @@ def placement_request(cfg: DictConfig):
     from skyrl_mtp.cluster.placement import PlacementRequest
 
     pl, g = cfg.trainer.placement, cfg.generator
-    return PlacementRequest(num_engines=int(g.num_engines), engine_tensor_parallel=int(g.tensor_parallel_size),
+    return PlacementRequest(num_engines=int(g.num_engines), engine_workers=int(g.tensor_parallel_size) * int(g.pipeline_parallel_size),
                             policy_workers=int(pl.policy_num_workers), cpus_per_engine=float(pl.cpus_per_engine),
                             cpus_per_policy_worker=float(pl.cpus_per_policy_worker),
                             gpus_per_engine=int(pl.gpus_per_engine), gpus_per_policy_worker=int(pl.gpus_per_policy_worker),

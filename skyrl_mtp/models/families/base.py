@@ -332,7 +332,7 @@ class ModelFamily:
     def args_from_config(self, hf_cfg: dict):
         raise NotImplementedError
 
-    def check_parallel(self, args, *, tp: int, ep: int) -> None:
+    def check_parallel(self, args, *, tp: int, ep: int, pp: int = 1) -> None:
         """Raise ModelBuildError (naming the setting) when the model cannot be built with this layout; called
         before any distributed set-up. A dense family has no experts to spread: ep must be 1."""
         if ep != 1:
@@ -340,11 +340,11 @@ class ModelFamily:
 
     def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
                     moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
-                    transformer_engine: bool | None = None):
-        """A GPTModel for ``args``; model-parallel state must already be initialised. ``moe_dispatcher``:
-        megatron-core's token dispatcher for MoE layers (the device decides: policy/megatron/device.py);
-        ``recompute``: Megatron's full activation recompute; ``transformer_engine``: the layer spec
-        (megatron_common.use_transformer_engine)."""
+                    transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+        """A GPTModel for ``args`` (stage ``pp_rank`` of ``pp``: its layers; the MTP block on the last stage);
+        model-parallel state must already be initialised. ``moe_dispatcher``: megatron-core's token dispatcher
+        for MoE layers (the device decides: policy/megatron/device.py); ``recompute``: Megatron's full activation
+        recompute; ``transformer_engine``: the layer spec (megatron_common.use_transformer_engine)."""
         raise NotImplementedError
 
     def weight_rules(self, args, mtp_layers: int, *, transformer_engine: bool | None = None) -> dict[str, WeightRule]:

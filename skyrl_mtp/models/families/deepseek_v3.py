@@ -185,18 +185,19 @@ class DeepseekV3Family(ModelFamily):
     def unsynced_hf_names(self, names) -> set[str]:
         return deepseek_style_mtp_copies(names)
 
-    def check_parallel(self, args: DeepseekV3Args, *, tp: int, ep: int) -> None:
-        check_moe_parallel(self.name, args.moe, tp=tp, ep=ep)
+    def check_parallel(self, args: DeepseekV3Args, *, tp: int, ep: int, pp: int = 1) -> None:
+        check_moe_parallel(self.name, args.moe, tp=tp, ep=ep, pp=pp)
 
     def build_model(self, args: DeepseekV3Args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
-                    recompute: bool = False, transformer_engine: bool | None = None):
+                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1,
+                    pp_rank: int = 0):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         from skyrl_mtp.models.families.megatron_no_te import fix_megatron_without_te
 
-        self.check_parallel(args, tp=tp, ep=ep)
+        self.check_parallel(args, tp=tp, ep=ep, pp=pp)
         fix_megatron_without_te()
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, ep=ep, dtype=dtype,
                                     moe_dispatcher=moe_dispatcher, aux_loss_coeff=moe_aux_loss_coeff,

@@ -155,9 +155,12 @@ def gated_rmsnorm_decoder_kwargs(args, *, qkv_bias: bool) -> dict:
     )
 
 
-def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int, recompute: bool = False) -> dict:
-    """TransformerConfig fields that do not depend on the architecture."""
+def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int, recompute: bool = False, pp: int = 1) -> dict:
+    """TransformerConfig fields that do not depend on the architecture (pp: pipeline stages; the activations
+    they pass each other are in the parameters' dtype)."""
+    pipeline = {"pipeline_model_parallel_size": pp, "pipeline_dtype": check_dtype(dtype)} if pp > 1 else {}
     return dict(
+        **pipeline,
         **recompute_kwargs(recompute),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -175,6 +178,19 @@ def common_config_kwargs(*, tp: int, dtype: str, mtp_num_layers: int, recompute:
         mtp_num_layers=mtp_num_layers if mtp_num_layers > 0 else None,
         mtp_loss_scaling_factor=0.0,
     )
+
+
+def pipeline_stage_flags(args, *, pp: int, pp_rank: int) -> dict:
+    """GPTModel's pre_process / post_process of stage ``pp_rank`` of ``pp``; refuses what PP does not cover."""
+    if not 0 <= pp_rank < pp:
+        raise ModelBuildError(f"pp_rank={pp_rank} is invalid for pp={pp}; allowed: 0..{pp - 1}")
+    if pp > 1 and args.tie_word_embeddings:
+        raise ModelBuildError("tie_word_embeddings=True with pipeline parallelism (pp > 1) is not supported: the "
+                              "output layer on the last stage would have to follow the first stage's embedding")
+    if args.num_layers % pp:
+        raise ModelBuildError(f"num_hidden_layers={args.num_layers} is not divisible by pipeline parallel size "
+                              f"pp={pp}; allowed: a pp that divides the layer count")
+    return {"pre_process": pp_rank == 0, "post_process": pp_rank == pp - 1}
 
 
 def rope_base(theta: float):

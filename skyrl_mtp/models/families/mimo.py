@@ -31,6 +31,7 @@ from skyrl_mtp.models.families.megatron_common import (
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
+    pipeline_stage_flags,
     rename_for_transformer_engine,
     rope_base,
     transformer_engine_available,
@@ -88,7 +89,7 @@ class HFModelArgs:
 
 
 def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
-                       recompute: bool = False):
+                       recompute: bool = False, pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
@@ -96,7 +97,7 @@ def transformer_config(args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, d
                     intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
     return TransformerConfig(
         **gated_rmsnorm_decoder_kwargs(args, qkv_bias=args.qkv_bias),
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute, pp=pp),
     )
 
 
@@ -123,8 +124,8 @@ class MiMoFamily(ModelFamily):
 
     def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
-                    recompute: bool = False, transformer_engine: bool | None = None):
-        self.check_parallel(args, tp=tp, ep=ep)
+                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+        self.check_parallel(args, tp=tp, ep=ep, pp=pp)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_local_spec,
@@ -133,19 +134,20 @@ class MiMoFamily(ModelFamily):
         )
 
         te = use_transformer_engine(transformer_engine)
-        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute)
+        stage = pipeline_stage_flags(args, pp=pp, pp_rank=pp_rank)
+        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute,
+                                    pp=pp)
         # TE: fused RMSNorm + linear, fused / flash causal attention; local: the CPU path (materialised scores)
         layer_spec = get_gpt_layer_with_transformer_engine_spec() if te else get_gpt_layer_local_spec(normalization="RMSNorm")
         mtp_spec = None
-        if mtp_num_layers > 0:
-            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te)
+        if mtp_num_layers > 0:   # None on every stage but the last (megatron-core places MTP there)
+            mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te, pp_rank=pp_rank)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position,
-            pre_process=True,
-            post_process=True,
+            **stage,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=rope_base(args.rope_theta),

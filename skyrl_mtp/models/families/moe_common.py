@@ -105,9 +105,13 @@ class MoEArgs:
                                   "always renormalises sigmoid top-k weights); allowed: True")
 
 
-def check_moe_parallel(family: str, moe: MoEArgs, *, tp: int, ep: int) -> None:
+def check_moe_parallel(family: str, moe: MoEArgs, *, tp: int, ep: int, pp: int = 1) -> None:
     """A MoE family's parallel layout: tp=1 (megatron-core trains MoE layers under tensor parallelism only with
-    sequence parallelism, which the local layer spec's torch norms do not support) and ep dividing the experts."""
+    sequence parallelism, which the local layer spec's torch norms do not support), pp=1 (the MoE families build
+    no pipeline stages) and ep dividing the experts."""
+    if pp != 1:
+        raise ModelBuildError(f"megatron.pp={pp} with a {family} (MoE) model: the MoE families build the whole model "
+                              "on every rank (no pipeline stages); allowed: pp=1 (spread experts with megatron.ep)")
     if tp != 1:
         raise ModelBuildError(f"megatron.tp={tp} with a {family} (MoE) model: megatron-core trains MoE layers under "
                               "tensor parallelism only with sequence parallelism, which the local layer spec (torch "

@@ -41,6 +41,7 @@ from skyrl_mtp.models.families.megatron_common import (
     common_config_kwargs,
     gated_rmsnorm_decoder_kwargs,
     mtp_inner_layer_name,
+    pipeline_stage_flags,
     rope_base,
     use_transformer_engine,
 )
@@ -126,7 +127,7 @@ class Qwen35Args:
 
 
 def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dtype: str = "float32",
-                       deterministic: bool = True, recompute: bool = False, **extra):
+                       deterministic: bool = True, recompute: bool = False, pp: int = 1, **extra):
     """The TransformerConfig of ``args``; ``extra``: fields a derived family adds (Qwen3-Next's MoE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -148,7 +149,7 @@ def transformer_config(args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, dt
         linear_num_key_heads=args.linear_num_key_heads,
         linear_num_value_heads=args.linear_num_value_heads,
         deterministic_mode=deterministic,
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute, pp=pp),
         **extra,
     )
 
@@ -212,33 +213,41 @@ class Qwen35Family(ModelFamily):
 
     def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
-                    recompute: bool = False, transformer_engine: bool | None = None):
-        self.check_parallel(args, tp=tp, ep=ep)
+                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+        self.check_parallel(args, tp=tp, ep=ep, pp=pp)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         from skyrl_mtp.models.families.torch_kernels import OffsetRMSNorm, enable_torch_gated_delta_net
 
         if mtp_num_layers > 1:
             raise ModelBuildError(f"mtp_num_layers={mtp_num_layers}: Qwen3.5 checkpoints share one fc/norm set "
                                   "across MTP layers and vLLM drafts with layer 0 only; allowed: 0 or 1")
+        stage = pipeline_stage_flags(args, pp=pp, pp_rank=pp_rank)
         deterministic = enable_torch_gated_delta_net()
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype,
-                                    deterministic=deterministic, recompute=recompute,
+                                    deterministic=deterministic, recompute=recompute, pp=pp,
                                     **self._extra_config(args, ep=ep, moe_dispatcher=moe_dispatcher,
                                                          moe_aux_loss_coeff=moe_aux_loss_coeff))
         gdn, attn, backend = self._layer_specs(config, use_transformer_engine(transformer_engine))
-        block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in args.layer_types],
+        # this stage's layers (a block given its layer specs builds exactly those, numbered from the stage offset)
+        first = get_transformer_layer_offset(config, vp_stage=None, pp_rank=pp_rank)
+        types = args.layer_types[first:first + get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)]
+        block = TransformerBlockSubmodules(layer_specs=[gdn if t == LINEAR else attn for t in types],
                                            layer_norm=OffsetRMSNorm)
-        mtp_spec = get_gpt_mtp_block_spec_for_backend(config, attn, backend) if mtp_num_layers > 0 else None
+        mtp_spec = (get_gpt_mtp_block_spec_for_backend(config, attn, backend, pp_rank=pp_rank)   # last stage only
+                    if mtp_num_layers > 0 else None)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position,
-            pre_process=True,
-            post_process=True,
+            **stage,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_percent=args.partial_rotary_factor,

@@ -102,8 +102,8 @@ class Qwen3NextFamily(Qwen35Family):
         n = hf_cfg.get("num_nextn_predict_layers", hf_cfg.get("mtp_num_hidden_layers")) or 0
         return n if isinstance(n, int) else 0
 
-    def check_parallel(self, args: Qwen3NextArgs, *, tp: int, ep: int) -> None:
-        check_moe_parallel(self.name, args.moe, tp=tp, ep=ep)
+    def check_parallel(self, args: Qwen3NextArgs, *, tp: int, ep: int, pp: int = 1) -> None:
+        check_moe_parallel(self.name, args.moe, tp=tp, ep=ep, pp=pp)
 
     def _extra_config(self, args: Qwen3NextArgs, *, ep: int, moe_dispatcher: str, moe_aux_loss_coeff: float) -> dict:
         from skyrl_mtp.models.families.megatron_no_te import fix_megatron_without_te

@@ -182,6 +182,13 @@ def megatron_optimizer_on_cpu():
         torch.cuda.current_stream = current_stream
 
 
+def cuda_calls_on_cpu():
+    """The same scope for the other megatron-core code that hard-codes CUDA on paths this project runs on CPU:
+    the pipeline schedule (a token counter on ``device="cuda"``) and, with pipeline parallelism, GPTModel's
+    start-up tie of the first and last stages' embeddings (``weight.data.cuda()`` before an all-reduce)."""
+    return megatron_optimizer_on_cpu()
+
+
 class _CpuStream:
     """What ``torch.cuda.current_stream()`` answers inside ``megatron_optimizer_on_cpu``: CPU ops run in
     order, so waiting on an event or a stream is a no-op (megatron-core 0.19's grad sync waits on the

@@ -49,13 +49,14 @@ def resolve_mtp_layers(args, requested: int | None, mtp_enabled: bool = True) ->
 
 def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
                     moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
-                    transformer_engine: bool | None = None):
-    """The family's GPTModel for ``args``; model-parallel state must already be initialised. The built
-    TransformerConfig is checked for the recompute asked (a family that dropped it would fail here, not by OOM)."""
+                    transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+    """The family's GPTModel for ``args`` (pipeline stage ``pp_rank`` of ``pp``); model-parallel state must
+    already be initialised. The built TransformerConfig is checked for the recompute asked (a family that dropped
+    it would fail here, not by OOM)."""
     family: ModelFamily = args.family
     model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, ep=ep, dtype=dtype,
                                moe_dispatcher=moe_dispatcher, moe_aux_loss_coeff=moe_aux_loss_coeff,
-                               recompute=recompute, transformer_engine=transformer_engine)
+                               recompute=recompute, transformer_engine=transformer_engine, pp=pp, pp_rank=pp_rank)
     built = (getattr(model.config, "recompute_granularity", None), getattr(model.config, "recompute_method", None),
              getattr(model.config, "recompute_num_layers", None))
     want = ("full", "uniform", 1) if recompute else (None, None, None)

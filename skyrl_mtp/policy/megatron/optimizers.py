@@ -85,20 +85,22 @@ def allreduce_grads(params: list[torch.nn.Parameter], group, expert_group=None) 
             dist.all_reduce(p.grad, group=g)
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=None, ep_group=None) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=None, ep_group=None,
+                   pp_group=None) -> float:
     """Global L2 grad-norm (TP-aware: sharded params summed across ranks, replicated ones once; expert-parallel
-    params summed across the EP group, each rank holding other experts), then clip.
+    params summed across the EP group, each rank holding other experts; summed over the pipeline stages of
+    ``pp_group``, which hold disjoint params), then clip.
 
-    With one TP rank and one EP rank this is exactly ``torch.nn.utils.clip_grad_norm_``.
+    With one TP, EP and pipeline rank this is exactly ``torch.nn.utils.clip_grad_norm_``.
     """
     grads = [p for p in params if p.grad is not None]
-    if not grads:
+    tp_size, ep_size, pp_size = _size(tp_group), _size(ep_group), _size(pp_group)
+    if pp_size == 1 and not grads:
         return 0.0
-    tp_size, ep_size = _size(tp_group), _size(ep_group)
-    if tp_size == 1 and ep_size == 1:
+    if tp_size == 1 and ep_size == 1 and pp_size == 1:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
     tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
-    dev = grads[0].grad.device   # a collective's tensor: on the grads' device
+    dev = grads[0].grad.device if grads else params[0].device   # a collective's tensor: on the grads' device
     dense, expert = torch.zeros((), dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float64, device=dev)
     for p in grads:
         if ep_size > 1 and is_expert_parallel(p):
@@ -109,7 +111,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=N
         dist.all_reduce(dense, group=tp_group)
     if ep_size > 1:
         dist.all_reduce(expert, group=ep_group)
-    total = math.sqrt(float(dense + expert))
+    sq = dense + expert
+    if pp_size > 1:   # every stage takes part, with or without gradients of its own
+        dist.all_reduce(sq, group=pp_group)
+    total = math.sqrt(float(sq))
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         for p in grads:
@@ -119,13 +124,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group=N
 
 class TorchSideOptimizer:
     """One side (policy or MTP head) on the torch path: AdamW over ``params``, gradients summed over data
-    parallel by ``allreduce_grads``, clipped by ``clip_grad_norm`` over this side's params only.
+    parallel by ``allreduce_grads``, clipped by ``clip_grad_norm`` over this side's params only (on every
+    pipeline stage of ``pp_group`` for the policy, whose params the stages split).
     ``distributed_optimizer.MegatronSideOptimizer`` is the GPU twin with the same methods."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
-                 grad_clip: float, dp_group, tp_group, ep_group=None, expert_dp_group=None):
+                 grad_clip: float, dp_group, tp_group, ep_group=None, expert_dp_group=None, pp_group=None):
         self.params, self.grad_clip, self.dp_group, self.tp_group = params, grad_clip, dp_group, tp_group
-        self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
+        self.ep_group, self.expert_dp_group, self.pp_group = ep_group, expert_dp_group, pp_group
         self.opt = build_optimizer(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     @property
@@ -140,7 +146,7 @@ class TorchSideOptimizer:
 
     def step(self) -> float:
         """Clip, step; the pre-clip global grad-norm."""
-        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group, self.ep_group)
+        norm = clip_grad_norm(self.params, self.grad_clip, self.tp_group, self.ep_group, self.pp_group)
         self.opt.step()
         return norm
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 
 def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, tp: int, seed: int,
-                     device=None, listen_socket: socket.socket | None = None, ep: int = 1) -> None:
-    """Initialise the default process group and Megatron's TP/DP groups (idempotent).
+                     device=None, listen_socket: socket.socket | None = None, pp: int = 1, ep: int = 1) -> None:
+    """Initialise the default process group and Megatron's TP/PP/DP/EP groups (idempotent).
 
     ``ep``: expert parallel size (MoE models), with expert tensor parallel size 1: each group of ``ep``
     consecutive ranks spreads the routed experts, and a rank's experts are data-parallel over the
@@ -24,8 +24,8 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
 
     from skyrl_mtp.policy.megatron.device import activate, rank_device
 
-    if world_size % tp or world_size % ep:
-        raise ValueError(f"world_size={world_size} is not divisible by tp={tp} and ep={ep}")
+    if world_size % (tp * pp) or world_size % ep:
+        raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp}*{pp} and ep={ep}")
     if listen_socket is not None and rank != 0:
         raise ValueError(f"only rank 0 serves the rendezvous store; rank {rank} was given a listen socket")
     dev = device or rank_device()
@@ -39,8 +39,8 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
                               master_listen_fd=None if listen_socket is None else listen_socket.detach())
         dist.init_process_group(dev.backend, store=store, rank=rank, world_size=world_size, **kw)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                                 expert_tensor_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

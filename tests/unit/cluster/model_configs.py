@@ -46,6 +46,22 @@ QWEN3_NEXT = {
     "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 
+# a Qwen3.5-shaped config of about 27B parameters standing in for the 27B checkpoint's own config.json (which the
+# memory plan reads at launch): hidden 5120, 64 layers (every 4th full attention), 24 heads / 4 KV heads of dim 256,
+# SwiGLU 17408, DeltaNet 16 key / 48 value heads of dim 128, one MTP layer
+QWEN3_5_27B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "full_attention_interval": 4,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 17408,
+        "vocab_size": 248320, "max_position_embeddings": 262144, "attn_output_gate": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16"},
+}
+
 GLM_4_5_AIR = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
     "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
@@ -58,7 +74,7 @@ GLM_4_5_AIR = {
 
 FOR_RECIPE = {"mimo7b_dapo": MIMO_7B, "mimo7b_searchr1": MIMO_7B, "qwen3_5_9b_dapo": QWEN3_5_9B,
               "qwen3next_dapo": QWEN3_NEXT,
-              "glm4_5_air_dapo": GLM_4_5_AIR}
+              "glm4_5_air_dapo": GLM_4_5_AIR, "qwen3_5_27b_dapo": QWEN3_5_27B}
 
 
 def write_config(directory: Path, cfg: dict) -> Path:

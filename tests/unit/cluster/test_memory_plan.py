@@ -205,3 +205,24 @@ def test_expert_parallelism_splits_the_routed_experts_and_their_optimizer_state(
     # dense state over dp=2 either way; the experts' over the expert data-parallel group: 2 ranks at ep 1, 1 at ep 2
     assert plans[1].optimizer == (shape.params - experts) * 8 // 2 + experts * 8 // 2
     assert plans[2].optimizer == (shape.params - experts) * 8 // 2 + experts // 2 * 8
+
+
+def test_pipeline_parallelism_counts_the_first_stages_micro_batches_and_the_last_stages_head():
+    from skyrl_mtp.config.memory_plan import _stage_memory, pipeline_stages, policy_memory, run_hf_config
+
+    base = ["recipe=tiny_dapo", *GPU, "trainer.placement.policy_num_workers=2"]
+    cfg = compose_config([*base, "megatron.pp=2"])
+    shape = model_shape(cfg, run_hf_config(cfg))
+    (first, first_head, in_flight, _), (last, last_head, one, frozen) = pipeline_stages(shape, 2)
+    embed = shape.vocab * shape.hidden
+    assert first.layers == last.layers == shape.layers // 2 and (in_flight, one) == (2, 1)
+    assert first.params_sharded == (shape.params_sharded - 2 * embed) // 2 + embed   # half the layers + its end
+    assert not first_head and last_head and frozen == embed       # the MTP block and its copy of the embedding
+    a = _stage_memory(first, cfg, flash=True, head=False, in_flight=2, frozen=0)
+    b = _stage_memory(last, cfg, flash=True, head=True, in_flight=1, frozen=embed)
+    one_mb = _stage_memory(first, cfg, flash=True, head=False, in_flight=1, frozen=0)
+    assert a.activations == 2 * one_mb.activations and a.logits == a.draft_loss == 0   # 1F1B: pp micro-batches
+    assert b.logits > 0 and b.draft_loss > 0 and b.weights > a.weights
+    assert policy_memory(shape, cfg, flash=True) in (a, b)
+    whole = policy_memory(shape, compose_config(base), flash=True)
+    assert whole.weights > b.weights - embed * 4

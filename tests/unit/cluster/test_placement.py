@@ -53,7 +53,7 @@ def test_separate_gpu_too_small_says_requested_vs_available():
     cfg = _gpu(1, 8, 1, False)
     with pytest.raises(PlacementError) as info:
         plan_placement(placement_plan(cfg), {"CPU": 64.0, "GPU": 8.0})
-    assert "cluster too small: needs 9 GPUs (8 for 1 engine(s) x TP 8 + 1 for 1 policy worker(s)) but the cluster has 8" \
+    assert "cluster too small: needs 9 GPUs (8 for 1 engine(s) x 8 workers + 1 for 1 policy worker(s)) but the cluster has 8" \
         in str(info.value)
 
 
@@ -80,7 +80,7 @@ def test_colocated_too_small():
     cfg = _gpu(8, 1, 8, True, "megatron.dp=8")
     with pytest.raises(PlacementError) as info:
         plan_placement(placement_plan(cfg), {"CPU": 64.0, "GPU": 4.0})
-    assert "needs 8 GPUs (8 for 8 policy workers (tp*pp*cp*dp); the 8 engines x TP 1 share them) but the cluster has 4" \
+    assert "needs 8 GPUs (8 for 8 policy workers (tp*pp*cp*dp); the 8 engines x 1 workers share them) but the cluster has 4" \
         in str(info.value)
 
 
@@ -89,7 +89,7 @@ def test_engine_tp_must_fit_on_one_node():
     nodes = [{"CPU": 32.0, "GPU": 4.0}] * 4
     with pytest.raises(PlacementError) as info:
         plan_placement(placement_plan(cfg), {"CPU": 128.0, "GPU": 16.0}, nodes)
-    assert str(info.value) == ("cluster too small: engine 0 (tensor_parallel_size=8) needs 8 GPUs and 1 CPUs on one node, "
+    assert str(info.value) == ("cluster too small: engine 0 (8 workers: tensor x pipeline parallel) needs 8 GPUs and 1 CPUs on one node, "
                                "but the largest node has 4 GPUs and 32 CPUs")
     # the same request fits two 8-GPU nodes
     plan = plan_placement(placement_plan(cfg), {"CPU": 64.0, "GPU": 16.0}, [{"CPU": 32.0, "GPU": 8.0}] * 2)
@@ -116,12 +116,12 @@ def test_no_alive_nodes():
     (["trainer.placement.gpus_per_policy_worker=1"], "trainer.placement.gpus_per_engine=0",
      "engines and policy workers must both use GPUs or both use CPUs"),
     (["generator.tensor_parallel_size=2", "trainer.placement.gpus_per_engine=1", "trainer.placement.gpus_per_policy_worker=1"],
-     "trainer.placement.gpus_per_engine=1", "must equal generator.tensor_parallel_size=2"),
+     "trainer.placement.gpus_per_engine=1", "must equal generator.tensor_parallel_size * pipeline_parallel_size = 2"),
     (["trainer.placement.gpus_per_engine=1", "trainer.placement.gpus_per_policy_worker=2"],
      "trainer.placement.gpus_per_policy_worker=2", "must be 1 on GPUs (one Megatron rank per GPU)"),
     (["generator.num_engines=2", "trainer.placement.gpus_per_engine=1", "trainer.placement.gpus_per_policy_worker=1",
       "trainer.placement.colocate=true"], "trainer.placement.colocate=True",
-     "needs generator.num_engines * generator.tensor_parallel_size = 2*1 = 2 to equal trainer.placement.policy_num_workers = 1"),
+     "needs generator.num_engines * tensor_parallel_size * pipeline_parallel_size = 2*1 = 2 to equal trainer.placement.policy_num_workers = 1"),
 ])
 def test_inconsistent_layouts(overrides, key, allowed):
     problems = placement_problems(_cfg(*overrides))
@@ -144,3 +144,14 @@ def test_accepts_typed_config():
 
     typed = to_typed(load_config(["recipe=tiny_dapo"]))
     assert plan_placement(placement_plan(typed), {"CPU": 2.0}).required == {"CPU": 2.0, "GPU": 0.0}
+
+
+def test_pipeline_parallel_engines_take_a_gpu_per_worker():
+    """An engine with TP 2 x PP 2 runs four workers: its bundle holds four GPUs on one node."""
+    base = ("generator.num_engines=1", "generator.tensor_parallel_size=2", "generator.pipeline_parallel_size=2",
+            "trainer.placement.policy_num_workers=1", "trainer.placement.gpus_per_policy_worker=1")
+    plan = plan_placement(placement_plan(_cfg(*base, "trainer.placement.gpus_per_engine=4")), {"CPU": 16.0, "GPU": 5.0})
+    assert plan.bundles[0] == {"CPU": 1.0, "GPU": 4.0} and plan.required["GPU"] == 5.0
+    problems = placement_problems(_cfg(*base, "trainer.placement.gpus_per_engine=2"))
+    assert problems == ["trainer.placement.gpus_per_engine=2 is invalid: must equal generator.tensor_parallel_size * "
+                        "pipeline_parallel_size = 4 (one GPU per worker of an engine), or 0 for CPU engines"]

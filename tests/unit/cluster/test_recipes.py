@@ -75,7 +75,8 @@ def test_without_transformer_engine_the_headline_recipe_is_refused_with_a_settin
 
 
 def test_the_cluster_recipes_exist():
-    assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo"} <= set(RECIPES)
+    assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo",
+            "qwen3_5_27b_dapo"} <= set(RECIPES)
 
 
 RUNNABLE = RECIPES
@@ -110,7 +111,7 @@ def test_recipe_validates_with_user_paths(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo",
-                                    "glm4_5_air_dapo"])
+                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo"])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -134,6 +135,7 @@ HARDWARE = [
     ("qwen3_5_9b_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3next_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
     ("glm4_5_air_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
+    ("qwen3_5_27b_dapo", [{"CPU": 32.0, "GPU": 8.0}] * 2, 16, 3),
 ]
 
 MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo")}   # the released models' shapes
@@ -185,18 +187,35 @@ def test_recipe_builds_its_policy_and_engine_configs(recipe, tmp_path):
     policy = policy_worker_config(cfg)
     m = cfg.megatron
     assert (policy.tp, policy.pp, policy.dp) == (m.tp, m.pp, m.dp)
-    assert policy.tp * policy.dp == cfg.trainer.placement.policy_num_workers
+    assert policy.tp * policy.pp * policy.dp == cfg.trainer.placement.policy_num_workers
     assert policy.dtype == m.dtype and policy.micro_batch_size == m.micro_batch_size
     engine = engine_config(cfg, Path(cfg.model.path or tmp_path / "built_tiny_model"))  # tiny: built at launch
     assert engine.num_engines == cfg.generator.num_engines
     assert engine.tensor_parallel_size == cfg.generator.tensor_parallel_size
+    assert engine.pipeline_parallel_size == cfg.generator.pipeline_parallel_size
 
 
-@pytest.mark.parametrize("key", ["pp", "cp"])
-def test_pipeline_and_context_parallel_are_rejected_naming_the_key(key, tmp_path):
+# the recipes of models too large for one pipeline stage per GPU group: (recipe, policy pp, engine pp)
+PIPELINED = [("qwen3_5_27b_dapo", 2, 2)]
+
+
+@pytest.mark.parametrize("recipe, policy_pp, engine_pp", PIPELINED)
+def test_large_recipes_pipeline_both_sides(recipe, policy_pp, engine_pp, tmp_path):
+    from skyrl_mtp.trainer.run_plan import engine_config, policy_worker_config
+
+    cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
+    engine = engine_config(cfg, Path(cfg.model.path))
+    assert policy_worker_config(cfg).pp == policy_pp and engine.pipeline_parallel_size == engine_pp
+    assert engine.workers_per_engine == cfg.trainer.placement.gpus_per_engine
+    # the engines draft under pipeline parallelism through the patched V1 runner and scheduler
+    from skyrl_mtp.rollout.config import PIPELINE_PARALLEL_SCHEDULER_CLS
+
+    assert engine.managed_engine_kwargs("x")["scheduler_cls"] == PIPELINE_PARALLEL_SCHEDULER_CLS
+
+
+def test_context_parallel_is_rejected_naming_the_key(tmp_path):
     overrides = user_overrides("mimo7b_dapo", tmp_path)
     with pytest.raises(ConfigError) as info:
-        load_config(["recipe=mimo7b_dapo", *overrides, f"megatron.{key}=2", "megatron.dp=4"])
+        load_config(["recipe=mimo7b_dapo", *overrides, "megatron.cp=2", "megatron.dp=4"])
     msg = str(info.value)
-    assert f"megatron.{key}=2 is invalid: only 1 is supported" in msg
-    assert ("pipeline" if key == "pp" else "context") + " parallelism is not implemented" in msg
+    assert "megatron.cp=2 is invalid: only 1 is supported" in msg and "context parallelism is not implemented" in msg

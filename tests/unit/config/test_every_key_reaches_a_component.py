@@ -54,6 +54,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.ep": (2, {"megatron.dp": 2, "trainer.placement.policy_num_workers": 2}),
+    "megatron.pp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),
     "megatron.mtp_num_layers": (1, {}),
     "megatron.mtp_loss_chunk_size": (1024, {}),
@@ -104,10 +105,8 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
 
 # keys whose only supported value is the default: any other value is rejected, naming the key
 ONLY_ONE_VALUE = {
-    "megatron.pp": 2,                         # no pipeline parallelism in the policy worker
     "megatron.cp": 2,                         # no context parallelism in the policy worker
     "generator.backend": "sglang",            # vLLM is the one inference backend
-    "generator.pipeline_parallel_size": 2,    # engine PP not supported yet (validation.py)
     "algorithm.advantage_estimator": "rloo",  # GRPO is the one advantage estimator
 }
 

@@ -44,8 +44,6 @@ def test_tiny_recipe_is_valid():
         ("model.path=/does/not/exist", "model.path='/does/not/exist' is invalid: path does not exist"),
         ("data.train_files=[/no/such.parquet]", "data.train_files[0]='/no/such.parquet' is invalid: path does not exist"),
         ("generator.num_engines=0", "generator.num_engines=0 is invalid: must be >= 1"),
-        ("generator.pipeline_parallel_size=2",
-         "generator.pipeline_parallel_size=2 is invalid: must be 1: vLLM pipeline parallelism inside an engine"),
         ("generator.pipeline_parallel_size=0", "generator.pipeline_parallel_size=0 is invalid: must be >= 1"),
         ("generator.model_runner=v3", "generator.model_runner='v3' is invalid: must be one of ['v1', 'v2']"),
         ("generator.model_runner=v2", "generator.model_runner='v2' is invalid: 'v1' on CPU engines "
@@ -55,6 +53,12 @@ def test_tiny_recipe_is_valid():
 )
 def test_single_errors(override, expected):
     assert expected in _error(override)
+
+
+def test_engine_pipeline_parallelism_with_fixed_k_only():
+    assert "pipeline_parallel_size" not in _error("generator.pipeline_parallel_size=2", "megatron.tp=3")
+    msg = _error("generator.pipeline_parallel_size=2", "trainer.mtp.num_speculative_tokens=auto")
+    assert "generator.pipeline_parallel_size=2 is invalid: must be 1 with trainer.mtp.num_speculative_tokens=auto" in msg
 
 
 def test_impossible_parallel_layout():
@@ -127,7 +131,8 @@ def test_search_env_needs_a_retriever():
         (["generator.n_samples_per_prompt=1"], "generator.n_samples_per_prompt=1 is invalid: must be >= 2 with "
                                                "algorithm.advantage_estimator=grpo"),
         (["trainer.mtp.loss_type=kl"], "trainer.mtp.loss_type='kl' is invalid: must be one of"),
-        (["megatron.pp=2", "megatron.dp=1"], "megatron.pp=2 is invalid: only 1 is supported"),
+        (["megatron.pp=3", "trainer.placement.policy_num_workers=3"],
+         "megatron.pp=3 is invalid: must divide the model's 2 decoder layers"),
         (["megatron.head_optimizer.lr_schedule=step"], "megatron.head_optimizer.lr_schedule='step' is invalid"),
         (["logger.wandb_mode=sometimes"], "logger.wandb_mode='sometimes' is invalid: must be one of"),
         (["model.tiny.heads=3"], "model.tiny.heads=3 is invalid: a divisor of hidden=128"),

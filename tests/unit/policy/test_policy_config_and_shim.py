@@ -10,7 +10,7 @@ from skyrl_mtp.policy.megatron import cpu_shim
 
 @pytest.mark.parametrize("field,value,msg", [
     ("mtp_loss_type", "kl", "mtp_loss_type='kl'"), ("mtp_loss_topk", 0, "mtp_loss_topk=0"),
-    ("tp", 0, "tp=0"), ("pp", 2, "pp=2"), ("dtype", "int8", "dtype='int8'"),
+    ("tp", 0, "tp=0"), ("pp", 0, "pp=0"), ("dtype", "int8", "dtype='int8'"),
     ("head_grad_clip", 0.0, "head_grad_clip=0.0"), ("mtp_detach_trunk", False, "mtp_detach_trunk=False"),
     ("mtp_num_layers", -1, "mtp_num_layers=-1"),
 ])
