@@ -3,7 +3,8 @@
 Each vLLM engine costs ~2.2 GiB and 15-50 s to start on the 2-core test machines, so the tests share
 a session `EnginePool`: it starts EngineClients by name on demand (several at once, concurrently) and
 shuts down the least recently used ones when a new one would exceed the budget. Tests switch
-checkpoints by syncing weights, not by starting engines. The named configurations:
+checkpoints by syncing weights, not by starting engines; a module that starts engines of its own takes
+`no_pooled_engines` first. The named configurations:
 
 - "nospec": no speculative decoding, fresh on the ORACLE checkpoint (the greedy reference).
 - "k1": MTP k=1, fresh on the ORACLE checkpoint.
@@ -151,3 +152,10 @@ def engine_pool(ray_local, random_ckpt, oracle_ckpt, tmp_path_factory):
     pool = EnginePool(configs)
     yield pool
     pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_pooled_engines(engine_pool):
+    """For a module that starts engines of its own: the pool's engines are shut down first (the local Ray
+    cluster's CPUs and the machine's memory hold only a few engines at once; later tests restart theirs)."""
+    engine_pool.shutdown()

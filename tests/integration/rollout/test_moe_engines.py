@@ -35,7 +35,7 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(ray_local, ckpts):
+def engines(ray_local, no_pooled_engines, ckpts):
     clients = [EngineClient.create(EngineConfig(model_path=str(c), num_speculative_tokens=1, **SMALL)) for c in ckpts]
     yield clients
     for c in clients:

@@ -88,7 +88,7 @@ def _acceptance(m: dict, label: str, k: int) -> dict[str, float]:
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
-def test_pp2_generates_what_pp1_generates(ray_local, checkpoints, family, k):
+def test_pp2_generates_what_pp1_generates(ray_local, no_pooled_engines, checkpoints, family, k):
     pp1, pp2 = _start(_config(checkpoints[family], 1, k), _config(checkpoints[family], 2, k))
     try:
         assert [i["pipeline_parallel_patch"] for i in pp2.engine_infos] == ["applied"]
