@@ -35,6 +35,7 @@ class SamplingSpec:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     n: int = 1
+    ignore_eos: bool = False   # generate max_tokens whatever the model samples (benchmarks and equivalence tests)
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -55,6 +56,8 @@ class SamplingSpec:
             raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids (ints >= 0)")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", self.stop, "a list of non-empty strings")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "True or False")
         self.stop_token_ids = list(self.stop_token_ids)
         self.stop = list(self.stop)
 
@@ -75,6 +78,7 @@ class SamplingSpec:
             "logprobs": 1,
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
+            "ignore_eos": self.ignore_eos,
         }
 
 

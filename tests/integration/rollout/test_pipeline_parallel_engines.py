@@ -25,9 +25,10 @@ pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 NUM_PROMPTS, MAX_TOKENS = 32, 64
-GREEDY = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS)
-SEEDED = SamplingSpec(temperature=1.0, max_tokens=MAX_TOKENS, seed=123)   # seeds 123 + prompt index
-# engine kwargs shared by both sides: one worker process per stage (also at PP=1), no early stop on EOS
+# no early stop on EOS: every prompt runs its 64 tokens through the stages
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingSpec(temperature=1.0, max_tokens=MAX_TOKENS, seed=123, ignore_eos=True)   # seeds 123 + prompt index
+# engine kwargs shared by both sides: one worker process per stage (also at PP=1)
 ENGINE = {"max_model_len": 256, "max_num_seqs": 16, "kv_cache_memory_bytes": 32 * 2**20}
 MP = {"distributed_executor_backend": "mp"}
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "generated_tokens")

@@ -209,6 +209,9 @@ def test_sampling_spec_to_vllm_kwargs():
     assert kw["seed"] == 13 and kw["top_k"] == 0 and kw["logprobs"] == 1 and kw["max_tokens"] == 5
     assert kw["include_stop_str_in_output"] is True
     assert SamplingSpec().vllm_kwargs(5)["seed"] is None
+    assert SamplingSpec().vllm_kwargs()["ignore_eos"] is False and SamplingSpec(ignore_eos=True).vllm_kwargs()["ignore_eos"]
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingSpec(ignore_eos=1)
 
 
 @pytest.mark.parametrize("prompts,match", [
