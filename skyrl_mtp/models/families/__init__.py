@@ -6,6 +6,7 @@ adding a family = one module here plus a line in ``FAMILIES`` (and a tiny checkp
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def engine_kwargs_for_family(family: ModelFamily, kwargs: dict, user_kwargs: dic
         if key in user_kwargs and user_kwargs[key] != value:
             raise ModelBuildError(f"engine_kwargs.{key}={user_kwargs[key]!r} cannot be used with a {family.name} "
                                   f"checkpoint; allowed: {value!r} (vLLM needs it for this model family)")
-        out[key] = value
+        out[key] = copy.deepcopy(value)  # vLLM may mutate a dict/list value (e.g. appends to custom_ops)
     return out
 
 

