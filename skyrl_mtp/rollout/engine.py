@@ -164,8 +164,9 @@ def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
     if torch.cuda.is_available():
         return {}
     out: dict[str, Any] = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
-    if cfg.workers_per_engine == 1:
-        out["distributed_executor_backend"] = "uni"
+    # several workers (TP x PP): vLLM's multiprocessing executor; inside a Ray actor vLLM would pick its Ray
+    # executor, which its CPU platform refuses ("current platform cpu does not support ray")
+    out["distributed_executor_backend"] = "uni" if cfg.workers_per_engine == 1 else "mp"
     return out
 
 

@@ -232,8 +232,10 @@ def test_cpu_engine_runs_a_single_worker_in_process(monkeypatch):
 
     one = cpu_engine_defaults(EngineConfig(model_path="/x"))
     assert one["distributed_executor_backend"] == "uni" and one["enable_chunked_prefill"] is False
-    assert "distributed_executor_backend" not in cpu_engine_defaults(EngineConfig(model_path="/x",
-                                                                                  tensor_parallel_size=2))
+    # several workers: vLLM's multiprocessing executor (in a Ray actor vLLM would pick its Ray one, which its CPU
+    # platform refuses)
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        assert cpu_engine_defaults(EngineConfig(model_path="/x", **layout))["distributed_executor_backend"] == "mp"
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     # a "uni" engine binds nothing (vLLM reads the binding only where its mp executor starts workers)
