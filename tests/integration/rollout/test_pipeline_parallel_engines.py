@@ -160,4 +160,5 @@ def test_pp2_without_the_patch_fails(checkpoints):
     run = subprocess.run([sys.executable, str(script), json.dumps(cfg)], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert run.returncode != 0 and "READY" not in run.stdout
-    assert "AttributeError: 'CPUModelRunner' object has no attribute 'drafter'" in run.stderr, run.stderr[-3000:]
+    # (the worker's AttributeError, as vLLM's multiprocessing executor relays it)
+    assert "'CPUModelRunner' object has no attribute 'drafter'" in run.stderr, run.stderr[-3000:]
