@@ -29,6 +29,18 @@ def _with(cfg: Any, changes: dict[str, Any]) -> Any:
     return out
 
 
+def _family_takes_tp(hf_cfg: dict, tp: int, ep: int, pp: int) -> bool:
+    """Whether the checkpoint's model family trains at this tensor-parallel size (MoE families refuse tp > 1)."""
+    from skyrl_mtp.models.families import ModelBuildError, family_for_config
+
+    try:
+        family = family_for_config(hf_cfg)
+        family.check_parallel(family.args_from_config(hf_cfg), tp=tp, ep=ep, pp=pp)
+    except ModelBuildError:
+        return False
+    return True
+
+
 def training_fixes(cfg: Any, hf_cfg: dict, te: bool, phase: str, replan: Callable[..., Any]
                    ) -> list[tuple[dict[str, Any], int]]:
     """(changes, that phase's bytes) of the policy settings that bring the training phase within budget; `replan`
@@ -43,7 +55,7 @@ def training_fixes(cfg: Any, hf_cfg: dict, te: bool, phase: str, replan: Callabl
         candidates.append({"megatron.micro_batch_size": rows})
         if not m.recompute_activations:
             candidates.append({"megatron.micro_batch_size": rows, "megatron.recompute_activations": True})
-    if int(m.dp) % 2 == 0:
+    if int(m.dp) % 2 == 0 and _family_takes_tp(hf_cfg, 2 * int(m.tp), int(m.ep), int(m.pp)):
         candidates.append({"megatron.tp": 2 * int(m.tp), "megatron.dp": int(m.dp) // 2})
     out = []
     for changes in candidates:

@@ -336,7 +336,9 @@ class AlgorithmConfig:
 class TinyModelConfig:
     """Build the embedded tiny model when `model.path` is null (architecture: `family`)."""
 
-    family: str = "mimo"  # model family of the tiny model: "mimo", "qwen3_5" (hybrid Gated DeltaNet), "deepseek_v3" (MLA + MoE)
+    # model family of the tiny model: "mimo", "qwen3_5" (hybrid Gated DeltaNet), "deepseek_v3" (MLA + MoE), "glm4_moe",
+    # "qwen3_next", "qwen3_5_moe" (hybrid Gated DeltaNet + MoE)
+    family: str = "mimo"
     hidden: int = 128          # hidden size
     layers: int = 2            # decoder layers
     heads: int = 4             # attention heads (hidden / heads is the head size)

@@ -7,7 +7,7 @@ chat template. Families (``TinyModelSpec.family``):
 - "qwen3_5": Qwen3.5 dense, `Qwen3_5ForCausalLM`: Gated DeltaNet and gated full-attention layers
   alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``;
 - "deepseek_v3", "glm4_moe" (tiny_moe.py): MLA / GQA + DeepSeek-style MoE, `num_nextn_predict_layers` MTP
-  layers after the trunk; "qwen3_next" (tiny_moe.py): the "qwen3_5" trunk with MoE MLPs.
+  layers after the trunk; "qwen3_next", "qwen3_5_moe" (tiny_moe.py): the "qwen3_5" trunk with MoE MLPs.
 
 Heads:
 - "random": a freshly initialised trunk and MTP head (the default; the head starts untrained).
@@ -43,7 +43,7 @@ HEADS = ("random", "oracle", "partial", "trigram")
 ROPE_THETA = 10000.0
 # the trigram target's attention logit gap between the previous position and any other, in nats
 PREVIOUS_TOKEN_GAP = 20.0
-FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next")
+FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
                "<think>", "</think>")
@@ -120,7 +120,7 @@ def spec_problems(spec) -> list[tuple[str, str]]:
         bad("family", FAMILIES)
     if spec.family != "mimo" and spec.head != "random":
         bad("head", f"'random' for family {spec.family!r} (oracle/partial/trigram heads are built for the MiMo layout)")
-    if spec.family in ("qwen3_5", "qwen3_next") and spec.mtp_layers > 1:
+    if spec.family in ("qwen3_5", "qwen3_next", "qwen3_5_moe") and spec.mtp_layers > 1:
         bad("mtp_layers", f"0 or 1 for family {spec.family!r} (one shared MTP layer)")
     return out
 

@@ -10,6 +10,8 @@ MoE layout and MTP layers as "deepseek_v3".
 "qwen3_next" (``Qwen3NextForCausalLM``): the factory's Qwen3.5 trunk (Gated DeltaNet / gated attention) with the
 Gated DeltaNet projections fused per key-head group (``in_proj_qkvz``, ``in_proj_ba``) and a MoE MLP in every
 layer (softmax routing, a gated shared expert), its MTP layer's included.
+"qwen3_5_moe" (``Qwen3_5MoeForCausalLM``): the same trunk and MoE MLPs with Qwen3.5's unfused GDN projections; the
+trunk's routed experts stored packed (``mlp.experts.gate_up_proj`` / ``down_proj``), the MTP layer's one by one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ DEEPSEEK_V3_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 3
 DEEPSEEK_V3_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
                    "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                    "routed_scaling_factor": 2.5}
-MOE_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")
+MOE_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")
 QWEN3_NEXT_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 64}
 
@@ -168,10 +170,8 @@ def _fuse_gdn(sd: dict[str, torch.Tensor], p: str, spec) -> None:
     sd[p + "in_proj_ba.weight"] = torch.cat([b.reshape(nk, r, h), a.reshape(nk, r, h)], 1).reshape(-1, h).contiguous()
 
 
-def build_qwen3_next_weights(spec) -> dict[str, torch.Tensor]:
-    from skyrl_mtp.models.tiny_qwen3_5 import build_qwen3_5_weights
-
-    sd = build_qwen3_5_weights(spec)
+def _qwen_moe_mlps(sd: dict[str, torch.Tensor], spec) -> None:
+    """Every layer's dense MLP (the MTP layer's too) -> Qwen3-Next's MoE: router, experts, gated shared expert."""
     g = torch.Generator().manual_seed(spec.seed + 1)
     init, m = _init(g), QWEN3_NEXT_MOE
     blocks = sorted({k[: k.index("mlp.")] for k in sd if ".mlp." in k})
@@ -184,8 +184,37 @@ def build_qwen3_next_weights(spec) -> dict[str, torch.Tensor]:
             sd.update(_mlp(f"{mlp}experts.{e}.", spec.hidden, m["moe_intermediate_size"], init))
         sd.update(_mlp(mlp + "shared_expert.", spec.hidden, m["shared_expert_intermediate_size"], init))
         sd[mlp + "shared_expert_gate.weight"] = init(1, spec.hidden, std=0.1)
+
+
+def build_qwen3_next_weights(spec) -> dict[str, torch.Tensor]:
+    from skyrl_mtp.models.tiny_qwen3_5 import build_qwen3_5_weights
+
+    sd = build_qwen3_5_weights(spec)
+    _qwen_moe_mlps(sd, spec)
     for p in sorted({k[: k.index("linear_attn.") + len("linear_attn.")] for k in sd if "linear_attn." in k}):
         _fuse_gdn(sd, p, spec)
+    return {k: t.contiguous() for k, t in sd.items()}
+
+
+def _pack_experts(sd: dict[str, torch.Tensor], prefix: str) -> None:
+    """transformers 5's layout of the routed experts under ``prefix`` ({p}mlp.experts.*): gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]."""
+    for p in sorted({k[: k.index("experts.")] for k in sd if k.startswith(prefix) and ".mlp.experts." in k}):
+        n = QWEN3_NEXT_MOE["num_experts"]
+        gate_up = [torch.cat([sd.pop(f"{p}experts.{e}.gate_proj.weight"), sd.pop(f"{p}experts.{e}.up_proj.weight")])
+                   for e in range(n)]
+        down = [sd.pop(f"{p}experts.{e}.down_proj.weight") for e in range(n)]
+        sd[p + "experts.gate_up_proj"], sd[p + "experts.down_proj"] = torch.stack(gate_up), torch.stack(down)
+
+
+def build_qwen3_5_moe_weights(spec) -> dict[str, torch.Tensor]:
+    """Qwen3.5's trunk with Qwen3-Next's MoE MLPs; the trunk's experts packed, the MTP layer's one by one (the
+    layout of the released checkpoints)."""
+    from skyrl_mtp.models.tiny_qwen3_5 import build_qwen3_5_weights
+
+    sd = build_qwen3_5_weights(spec)
+    _qwen_moe_mlps(sd, spec)
+    _pack_experts(sd, "model.layers.")
     return {k: t.contiguous() for k, t in sd.items()}
 
 
@@ -198,9 +227,18 @@ def qwen3_next_hf_config(spec, tokenizer) -> dict:
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_nextn_predict_layers": n}
 
 
+def qwen3_5_moe_hf_config(spec, tokenizer) -> dict:
+    from skyrl_mtp.models.tiny_qwen3_5 import qwen3_5_hf_config
+
+    cfg = qwen3_5_hf_config(spec, tokenizer)
+    del cfg["intermediate_size"]
+    return {**cfg, **QWEN3_NEXT_MOE, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"}
+
+
 BUILDERS = {"deepseek_v3": (build_deepseek_v3_weights, deepseek_v3_hf_config),
             "glm4_moe": (build_glm4_moe_weights, glm4_moe_hf_config),
-            "qwen3_next": (build_qwen3_next_weights, qwen3_next_hf_config)}
+            "qwen3_next": (build_qwen3_next_weights, qwen3_next_hf_config),
+            "qwen3_5_moe": (build_qwen3_5_moe_weights, qwen3_5_moe_hf_config)}
 
 
 def build_moe_weights(spec) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from skyrl_mtp.models.families.base import rules_for_expert_rank
+from skyrl_mtp.models.families.packed_experts import PackedExperts
 from skyrl_mtp.policy.batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron import checkpoint as ckpt
@@ -42,13 +43,15 @@ def reproducible_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint, experts stored packed split into per-expert ones (packed_experts.py)."""
     files = sorted(Path(hf_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in HF checkpoint {str(hf_path)!r}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(f)))
-    return out
+    packed = PackedExperts({k: tuple(t.shape) for k, t in out.items()})
+    return packed.unpack(out) if packed else out
 
 
 def _sequences_with_tokens(loss_mask: torch.Tensor) -> float:
@@ -79,6 +82,7 @@ class MegatronPolicy(PipelinedSteps):
         self.global_rules = check_checkpoint(hf, self.args, self.mtp_layers,   # experts by global index
                                              transformer_engine=self.transformer_engine)
         self._hf_shapes = {n: hf.shape(n) for r in self.global_rules.values() for n in r.hf_names}
+        self._packed_experts = hf.packed   # the export writes experts back in the checkpoint's layout
         from skyrl_mtp.mtp.native_loss_patch import disable_native_mtp_loss
 
         self.device = rank_device()  # the one seam: this rank's device and collective backend
@@ -422,7 +426,7 @@ class MegatronPolicy(PipelinedSteps):
         if self.rank == 0 and self.cfg.export_hf:
             out = ckpt.copy_hf_side_files(Path(ckpt_dir) / "hf", self.hf_path)
             layout = export_layout(self.export_items, self._tensors(), self._hf_shapes, self._param_dtype)
-            write_safetensors_stream(out / "model.safetensors", layout, stream())
+            write_safetensors_stream(out / "model.safetensors", layout, stream(), packed=self._packed_experts)
         else:
             for _ in stream():
                 pass

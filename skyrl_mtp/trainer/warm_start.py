@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from skyrl_mtp.algorithms.train_batch import Rollout, build_train_batch
+from skyrl_mtp.models.families.packed_experts import PackedExperts
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja", "special_tokens_map.json")
@@ -75,6 +76,9 @@ def write_hf_checkpoint(out: Path, base_ckpt: Path, trunk: dict[str, torch.Tenso
     base = {}
     for f in sorted(base_ckpt.glob("*.safetensors")):
         base.update(load_file(str(f)))
+    packed = PackedExperts({k: tuple(t.shape) for k, t in base.items()})
+    if packed:   # the policy exports experts one by one; the base stores them packed
+        trunk = packed.pack(trunk)
     unknown = sorted(set(trunk) - set(base))
     if unknown:
         raise ValueError(f"warm-start export has tensors the base checkpoint lacks: {unknown[:5]}")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from skyrl_mtp.models.families.packed_experts import PackedExperts
+
 # safetensors dtype tags <-> torch dtypes (the ones a policy can export).
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -60,7 +62,8 @@ def _read_safetensors_header(path: Path) -> dict:
 
 
 def read_weight_schema(model_path: str | Path) -> WeightSchema:
-    """Names, shapes and dtypes of every tensor in the checkpoint's *.safetensors files (headers only)."""
+    """Names, shapes and dtypes of every tensor in the checkpoint's *.safetensors files (headers only); routed
+    experts stored packed are listed one expert at a time (models/families/packed_experts.py)."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise WeightSyncError(f"no *.safetensors files in {str(model_path)!r}")
@@ -72,6 +75,10 @@ def read_weight_schema(model_path: str | Path) -> WeightSchema:
             if info["dtype"] not in _ST_DTYPES:
                 raise WeightSyncError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
             schema[name] = TensorSpec(tuple(int(s) for s in info["shape"]), dtype_name(_ST_DTYPES[info["dtype"]]))
+    packed = PackedExperts({n: spec.shape for n, spec in schema.items()})
+    if packed:   # a sync sends experts one by one (vLLM loads either layout): the schema names them so
+        schema = {n: TensorSpec(shape, schema[packed.views[n].stored if n in packed.views else n].dtype)
+                  for n, shape in packed.view_shapes({n: spec.shape for n, spec in schema.items()}).items()}
     return schema
 
 

@@ -80,10 +80,12 @@ class Qwen35Args:
         return QWEN3_5
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> Qwen35Args:
+    def from_hf_config(cls, cfg: dict, *, dense_mlp: bool = True) -> Qwen35Args:
+        """``dense_mlp=False``: a MoE config (no ``intermediate_size``; it is read as 0)."""
         multimodal = "text_config" in cfg
         text = cfg.get("text_config", cfg)
-        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") + (
+            ("intermediate_size",) if dense_mlp else ())
         missing = [k for k in required if k not in text]
         if missing:
             raise ModelBuildError(f"Qwen3.5 HF config is missing required fields {missing}")
@@ -112,7 +114,7 @@ class Qwen35Args:
             hidden_size=int(text["hidden_size"]), num_layers=n, layer_types=layer_types, num_heads=heads,
             num_kv_heads=int(text.get("num_key_value_heads", heads)),
             head_dim=int(text.get("head_dim") or text["hidden_size"] // heads),
-            intermediate_size=int(text["intermediate_size"]), vocab_size=int(text["vocab_size"]),
+            intermediate_size=int(text.get("intermediate_size", 0)), vocab_size=int(text["vocab_size"]),
             max_position=int(text.get("max_position_embeddings", 2048)), rope_theta=float(theta),
             partial_rotary_factor=float(partial), rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(tie), attn_output_gate=bool(text.get("attn_output_gate", True)),
@@ -361,6 +363,11 @@ class Qwen35Family(ModelFamily):
                     raise WeightMappingError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens")
                 out.add(k)
         return out
+
+    def unsynced_hf_names(self, names) -> set[str]:
+        """The multimodal checkpoint's vision tower: the policy trains the text model only, and the engine's vision
+        weights stay as loaded (vLLM's layerwise reload puts back the modules a sync did not send)."""
+        return {n for n in names if n.startswith("model.visual.")}
 
     def prepare_vllm_import(self) -> None:
         from skyrl_mtp.models.families.vllm_import import allow_qwen3_5_import, register_vllm_models

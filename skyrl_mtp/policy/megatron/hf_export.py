@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from skyrl_mtp.models.families.packed_experts import PackedExperts
+
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                 torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -31,19 +33,28 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 def write_safetensors_stream(path: str | Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
-                             tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict | None = None) -> Path:
+                             tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict | None = None,
+                             packed: PackedExperts | None = None) -> Path:
     """Write ``tensors`` (in ``layout`` order: name, shape, dtype) to ``path``; each is checked against
-    its announced entry. Returns the path."""
+    its announced entry. With ``packed``, per-expert tensors of the stream are written into the checkpoint's
+    packed expert tensors, each at its byte offset (the file then holds the packed names). Returns the path."""
+    if packed:
+        stored, pieces = packed.stored_layout(layout)
+    else:
+        stored, pieces = list(layout), [(name, 0) for name, _, _ in layout]
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    start: dict[str, int] = {}
     offset = 0
-    for name, shape, dtype in layout:
+    for name, shape, dtype in stored:
         if dtype not in _DTYPE_CODES:
             raise StreamExportError(f"{name}: dtype {dtype} cannot be written to safetensors")
         n = _nbytes(shape, dtype)
         header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        start[name] = offset
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    data_start = 8 + len(blob)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     it = iter(tensors)
@@ -51,7 +62,8 @@ def write_safetensors_stream(path: str | Path, layout: list[tuple[str, tuple[int
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for name, shape, dtype in layout:
+            f.truncate(data_start + offset)
+            for (name, shape, dtype), (where, at) in zip(layout, pieces):
                 try:
                     got_name, t = next(it)
                 except StopIteration:
@@ -59,6 +71,7 @@ def write_safetensors_stream(path: str | Path, layout: list[tuple[str, tuple[int
                 if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise StreamExportError(f"export stream gave {got_name!r} {tuple(t.shape)} {t.dtype}; "
                                             f"expected {name!r} {tuple(shape)} {dtype}")
+                f.seek(data_start + start[where] + at)
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         leftover = next(it, None)
         if leftover is not None:

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from skyrl_mtp.models.families.base import WeightMappingError
+from skyrl_mtp.models.families.packed_experts import PackedExperts
 from skyrl_mtp.policy.megatron.hf_bridge import mapped_tensors
 
 
@@ -24,7 +25,8 @@ class LazyHFCheckpoint(Mapping):
     """Name -> tensor view of an HF safetensors checkpoint that reads tensor data only on demand.
 
     ``chunk(name, dim, rank, size)`` reads just rank ``rank``'s contiguous chunk along ``dim``;
-    ``self[name]`` reads a whole tensor (used only for rare checks such as tied embeddings).
+    ``self[name]`` reads a whole tensor (used only for rare checks such as tied embeddings). Routed experts the
+    checkpoint stores packed (packed_experts.py) appear under their per-expert names, each read as its slice.
     """
 
     def __init__(self, hf_dir: str | Path):
@@ -32,29 +34,47 @@ class LazyHFCheckpoint(Mapping):
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in HF checkpoint {str(hf_dir)!r}")
         self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        self._where: dict[str, int] = {}
+        stored: dict[str, int] = {}
         for i, h in enumerate(self._handles):
             for k in h.keys():
-                if k in self._where:
+                if k in stored:
                     raise WeightMappingError(f"tensor {k!r} appears in two safetensors files of {str(hf_dir)!r}")
-                self._where[k] = i
+                stored[k] = i
+        self._stored = stored
+        # experts stored packed are seen (and read) one expert at a time, as the weight rules name them
+        self.packed = PackedExperts({k: tuple(self._slice(k).get_shape()) for k in stored})
+        self._names = list(self.packed.view_shapes(dict.fromkeys(stored, ()))) if self.packed else list(stored)
+
+    def _slice(self, name: str):
+        return self._handles[self._stored[name]].get_slice(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._where:
+        if name in self.packed.views:
+            return self.packed.read(name, self._slice)
+        if name not in self:
             raise KeyError(name)
-        return self._handles[self._where[name]].get_tensor(name)
+        return self._handles[self._stored[name]].get_tensor(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.packed.views or (name in self._stored and name not in self.packed.packed)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        if name in self.packed.views:
+            return self.packed.views[name].shape
+        return tuple(self._slice(name).get_shape())
 
     def chunk(self, name: str, dim: int | None, rank: int, size: int) -> torch.Tensor:
-        sl = self._handles[self._where[name]].get_slice(name)
+        if name in self.packed.views:
+            if dim is not None and size > 1:
+                raise WeightMappingError(f"{name}: a packed expert's view is read whole (expert tensor parallel 1)")
+            return self[name]
+        sl = self._slice(name)
         if dim is None or size == 1:
             return sl[:]
         shape = sl.get_shape()

@@ -1,5 +1,5 @@
-"""Expert parallelism on CPU/gloo with two real megatron-core ranks: a DeepSeek-V3 tiny model (8 routed
-experts per MoE layer, the MTP layer's included) trained at EP=2 (each rank holds 4 experts and exchanges
+"""Expert parallelism on CPU/gloo with two real megatron-core ranks: a DeepSeek-V3 and a Qwen3.5-MoE tiny model (8
+routed experts per MoE layer, the MTP layer's included; Qwen3.5-MoE's trunk experts stored packed) trained at EP=2 (each rank holds 4 experts and exchanges
 tokens with megatron-core's all-gather dispatcher) equals EP=1 (every rank holds all 8): logprobs, policy and
 draft losses, grad norms, router statistics, the last step's gradient of every parameter, and the HF export
 gathered over the expert-parallel ranks."""
@@ -20,9 +20,9 @@ METRICS = ("policy/loss", "policy/grad_norm", "mtp/loss", "mtp/grad_norm", "mtp/
            "mtp/moe_tokens_per_expert_max")
 
 
-@pytest.fixture(scope="module")
-def ds_ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ds_ep"), TinyModelSpec(family="deepseek_v3", seed=6))
+@pytest.fixture(scope="module", params=("deepseek_v3", "qwen3_5_moe"))
+def ds_ckpt(request, tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), TinyModelSpec(family=request.param, seed=6))
 
 
 def _run(ckpt, tmp_path, ep: int) -> list[dict]:

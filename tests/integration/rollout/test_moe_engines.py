@@ -1,5 +1,6 @@
-"""Weight sync into real vLLM-CPU engines serving a mixture-of-experts model (tiny DeepSeek-V3: MLA, MoE with a
-shared expert, an MoE MTP layer), in Ray actors.
+"""Weight sync into real vLLM-CPU engines serving a mixture-of-experts model, in Ray actors: tiny DeepSeek-V3 (MLA,
+MoE with a shared expert, an MoE MTP layer) and tiny Qwen3.5-MoE (hybrid GDN, a gated shared expert; the trunk's
+experts stored packed in the checkpoint and synced one expert at a time, as the policy sends them).
 
 vLLM-CPU's MoE experts prepack ``w13_weight`` / ``w2_weight`` at load; the in-place reload of a weight sync
 skips that step (vllm_patches/moe_cpu_repack.py re-runs it). A synced engine must equal an engine started
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from skyrl_mtp.models.families.packed_experts import PackedExperts
 from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
 from skyrl_mtp.rollout.client import EngineClient
 from skyrl_mtp.rollout.config import EngineConfig
@@ -25,13 +27,15 @@ PROMPTS = [torch.randint(10, 200, (n,), generator=torch.Generator().manual_seed(
 
 
 def _weights(ckpt) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt / "model.safetensors"))
+    """The checkpoint's tensors as the policy exports them (experts one by one)."""
+    sd = load_file(str(ckpt / "model.safetensors"))
+    return PackedExperts({k: tuple(t.shape) for k, t in sd.items()}).unpack(sd)
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+@pytest.fixture(scope="module", params=("deepseek_v3", "qwen3_5_moe"))
+def ckpts(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("moe_ckpts")
-    return [cached_tiny_checkpoint(cache, TinyModelSpec(family="deepseek_v3", seed=s)) for s in (11, 12)]
+    return [cached_tiny_checkpoint(cache, TinyModelSpec(family=request.param, seed=s)) for s in (11, 12)]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,10 @@ gate, 4 KV heads of dim 256, SwiGLU 12288, vocabulary 248320, DeltaNet 16 key / 
 layer, multimodal layout (text_config).
 Qwen3-Next-80B-A3B: Qwen3.5's hybrid trunk at hidden 2048, 48 layers, 16 heads / 2 KV heads of dim 256, MoE in
 every layer: 512 experts of width 512, top 10, one gated shared expert of width 512, vocabulary 151936.
+Qwen3.5-35B-A3B: Qwen3.5's hybrid trunk at hidden 2048, 40 layers (every 4th full attention), 16 heads / 2 KV
+heads of dim 256, MoE in every layer: 256 experts of width 512, top 8, one gated shared expert of width 512,
+vocabulary 248320, one MTP layer, multimodal layout (text_config): the defaults of transformers'
+Qwen3_5MoeTextConfig, which it documents as the Qwen3.5-35B-A3B configuration.
 GLM-4.5-Air: hidden 4096, 46 layers (the first dense, SwiGLU 10944), 96 heads / 8 KV heads of dim 128 with qkv bias,
 128 experts of width 1408, top 8, one shared expert, vocabulary 151552, one MTP layer."""
 
@@ -62,6 +66,20 @@ QWEN3_5_27B = {
         "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16"},
 }
 
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 248320,
+        "max_position_embeddings": 262144, "attn_output_gate": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16"},
+}
+
 GLM_4_5_AIR = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
     "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
@@ -73,7 +91,7 @@ GLM_4_5_AIR = {
 }
 
 FOR_RECIPE = {"mimo7b_dapo": MIMO_7B, "mimo7b_searchr1": MIMO_7B, "qwen3_5_9b_dapo": QWEN3_5_9B,
-              "qwen3next_dapo": QWEN3_NEXT,
+              "qwen3next_dapo": QWEN3_NEXT, "qwen3_5_35b_a3b_dapo": QWEN3_5_35B_A3B,
               "glm4_5_air_dapo": GLM_4_5_AIR, "qwen3_5_27b_dapo": QWEN3_5_27B}
 
 

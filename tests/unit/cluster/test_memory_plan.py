@@ -173,7 +173,7 @@ def test_cfg_plan_prints_the_plan(mimo7b, capsys):
     assert "not enforced on CPU" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("family", ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"])
 def test_every_familys_shape_counts_its_tiny_checkpoint_tensor_by_tensor(family):
     # the formulas of each family's memory_shape against the numel of the tensors its tiny checkpoint has (the MTP
     # layers' copies of embedding / LM head aside: the drafter shares the target's)
@@ -188,7 +188,7 @@ def test_every_familys_shape_counts_its_tiny_checkpoint_tensor_by_tensor(family)
     assert shape.params == sum(t.numel() for k, t in weights.items() if k not in skip)
     assert shape.expert_params + shape.mtp_expert_params == sum(t.numel() for k, t in weights.items()
                                                                 if ".experts." in k)
-    assert (shape.expert_params > 0) == (family in ("deepseek_v3", "glm4_moe", "qwen3_next"))
+    assert (shape.expert_params > 0) == (family in ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"))
 
 
 def test_expert_parallelism_splits_the_routed_experts_and_their_optimizer_state():

@@ -76,7 +76,7 @@ def test_without_transformer_engine_the_headline_recipe_is_refused_with_a_settin
 
 def test_the_cluster_recipes_exist():
     assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo",
-            "qwen3_5_27b_dapo"} <= set(RECIPES)
+            "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo"} <= set(RECIPES)
 
 
 RUNNABLE = RECIPES
@@ -111,7 +111,7 @@ def test_recipe_validates_with_user_paths(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo",
-                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo"])
+                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo"])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -136,9 +136,10 @@ HARDWARE = [
     ("qwen3next_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
     ("glm4_5_air_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
     ("qwen3_5_27b_dapo", [{"CPU": 32.0, "GPU": 8.0}] * 2, 16, 3),
+    ("qwen3_5_35b_a3b_dapo", [{"CPU": 32.0, "GPU": 8.0}] * 2, 16, 2),
 ]
 
-MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo")}   # the released models' shapes
+MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo")}   # the released models' shapes
 
 
 @pytest.mark.parametrize("recipe", sorted(MOE_MODELS))

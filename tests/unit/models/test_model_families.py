@@ -50,7 +50,7 @@ def test_family_for_config_picks_by_architecture_then_model_type():
     assert family_for_config({"architectures": ["Qwen3_5ForConditionalGeneration"]}) is QWEN3_5
     with pytest.raises(ModelBuildError, match=r"architectures=\['LlamaForCausalLM'\].*supported"):
         family_for_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    assert [f.name for f in FAMILIES] == ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next"] and family_by_name("qwen3_5") is QWEN3_5
+    assert [f.name for f in FAMILIES] == ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"] and family_by_name("qwen3_5") is QWEN3_5
     with pytest.raises(ModelBuildError, match="'nope' is unknown"):
         family_by_name("nope")
 

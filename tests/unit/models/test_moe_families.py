@@ -22,7 +22,8 @@ from skyrl_mtp.models.tiny_moe import DEEPSEEK_V3_MOE
 from skyrl_mtp.policy.megatron.hf_bridge import hf_to_megatron, megatron_to_hf, name_map
 from skyrl_mtp.policy.megatron.weight_export import export_plan
 
-MOE_SPECS = {"deepseek_v3": dict(mtp_layers=2), "glm4_moe": dict(mtp_layers=2), "qwen3_next": dict(layers=4)}
+MOE_SPECS = {"deepseek_v3": dict(mtp_layers=2), "glm4_moe": dict(mtp_layers=2), "qwen3_next": dict(layers=4),
+             "qwen3_5_moe": dict(layers=4)}
 
 
 class _Tok:
@@ -201,6 +202,47 @@ def test_qwen3_next_is_picked_parsed_and_round_trips():
         Qwen3NextArgs.from_hf_config({**cfg, "decoder_sparse_step": 2})
 
 
+def test_qwen3_5_moe_is_picked_parsed_and_round_trips_through_its_packed_experts():
+    """Qwen3.5-MoE: Qwen3.5's config keys and GDN projections, Qwen3-Next's MoE; the trunk's experts stored packed
+    ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) are read one expert at a time and round-trip exactly at TP 1 / 2
+    and EP 1 / 2; the multimodal layout (text_config, model.language_model.*) is read too."""
+    from skyrl_mtp.models.families.packed_experts import PackedExperts
+    from skyrl_mtp.models.families.qwen3_5_moe import QWEN3_5_MOE, Qwen35MoeArgs
+
+    cfg = cfg_of("qwen3_5_moe")
+    assert family_for_config(cfg) is QWEN3_5_MOE and "intermediate_size" not in cfg
+    a = Qwen35MoeArgs.from_hf_config(cfg)
+    assert a.family is QWEN3_5_MOE and a.layer_types == ("linear_attention", "full_attention") * 2
+    assert (a.num_nextn_predict_layers, a.moe.num_experts, a.moe.score_function, a.moe.shared_expert_gate) == (
+        1, 8, "softmax", True)
+    stored = varied("qwen3_5_moe")
+    assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
+    assert "mtp.layers.0.mlp.experts.7.up_proj.weight" in stored   # the MTP layer's experts one by one
+    packed = PackedExperts({k: tuple(t.shape) for k, t in stored.items()})
+    hf = packed.unpack(stored)
+    assert torch.equal(hf["model.layers.3.mlp.experts.5.up_proj.weight"],
+                       stored["model.layers.3.mlp.experts.gate_up_proj"][5, 64:])
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in hf and mtp_hf_names(hf) == {k for k in hf
+                                                                                            if k.startswith("mtp.")}
+    for tp, ep in [(1, 1), (2, 1), (1, 2)]:
+        shards = [hf_to_megatron(hf, a, 1, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep)
+                  for e in range(ep) for t in range(tp)]
+        back = megatron_to_hf(shards, a, 1, ep_size=ep)
+        assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf), (tp, ep)
+    repacked = packed.pack(back)
+    assert repacked.keys() == stored.keys() and all(torch.equal(repacked[k], stored[k]) for k in stored)
+
+    mm = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+          "tie_word_embeddings": False, "text_config": {k: v for k, v in cfg.items() if k != "architectures"}}
+    m = Qwen35MoeArgs.from_hf_config(mm)
+    assert family_for_config(mm) is QWEN3_5_MOE and m.hf_prefix == "model.language_model." and m.moe == a.moe
+    assert QWEN3_5_MOE.declared_mtp_layers(mm) == 1
+    with pytest.raises(ModelBuildError, match="norm_topk_prob=False"):
+        Qwen35MoeArgs.from_hf_config({**cfg, "norm_topk_prob": False})
+    with pytest.raises(ModelBuildError, match="megatron.tp=2 with a qwen3_5_moe"):
+        QWEN3_5_MOE.check_parallel(a, tp=2, ep=1)
+
+
 def test_qwen3_next_fused_gdn_projection_per_tp_rank():
     """Megatron's in_proj on TP rank 1 = that rank's q, k, v, z, b, a, taken from the key-head groups it owns in
     Qwen3-Next's per-group fused in_proj_qkvz / in_proj_ba."""
@@ -232,6 +274,21 @@ def test_weight_sync_parts_of_a_deepseek_style_checkpoint_leave_the_mtp_copies_a
     assert not copies & (set(main) | set(draft)) and set(main) | set(draft) | copies == set(names)
     assert set(draft) == {n for n in names if n.startswith(("model.layers.2.", "model.layers.3."))} - copies
     assert "model.embed_tokens.weight" in main and "lm_head.weight" in main
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_weight_sync_parts_of_a_multimodal_qwen3_5_checkpoint_leave_the_vision_tower_alone(family):
+    """Qwen3.5 (dense and MoE) ships as Qwen3_5*ForConditionalGeneration with a vision tower the policy does not
+    build: neither sync part carries it (the engine keeps the weights it loaded), the text model is all synced."""
+    from skyrl_mtp.models.tiny import TinyModelSpec, build_spec_weights
+    from skyrl_mtp.weight_sync.schema import part_names
+
+    text = [("model.language_model." + k[len("model."):]) if k.startswith("model.") else k
+            for k in build_spec_weights(TinyModelSpec(family=family))]
+    vision = ["model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.linear_fc1.weight"]
+    main, draft = part_names(text + vision, "main"), part_names(text + vision, "draft")
+    assert set(main) | set(draft) == set(text) and not set(main) & set(draft)
+    assert set(draft) == {n for n in text if n.startswith("mtp.")} and "model.language_model.norm.weight" in main
 
 
 def test_megatron_no_te_fixes_check_their_targets(monkeypatch):
