@@ -64,8 +64,22 @@ def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtyp
         raise ModelBuildError(f"the {family.name} model was built with recompute (granularity, method, layers) = "
                               f"{built}, expected {want} for recompute={recompute}")
     keep_router_state_fp32(model)
+    if mtp_num_layers or getattr(model.config, "num_moe_experts", None):
+        reset_aux_loss_tracker()
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model
+
+
+def reset_aux_loss_tracker() -> None:
+    """Empty megatron-core's process-wide tracker of MoE / MTP auxiliary losses: it sizes each loss's per-layer
+    values by the first model that logs it, so a later model of the process with more layers would index past it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    get = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None)
+    if get is None:
+        raise ModelBuildError("megatron.core.transformer.moe.moe_utils.get_moe_layer_wise_logging_tracker is gone: "
+                              "this megatron-core moved its auxiliary-loss tracker; pin megatron-core 0.16-0.19")
+    get().clear()
 
 
 def keep_router_state_fp32(model) -> None:

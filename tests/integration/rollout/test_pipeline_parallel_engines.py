@@ -87,8 +87,12 @@ def _acceptance(m: dict, label: str, k: int) -> dict[str, float]:
     return {key: m[key] for key in keys}
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
+# k = 1 (one draft per step), 2 and 3 (several, partly accepted) spread over the dense and the hybrid family; the
+# weight sync is checked for each family at its k >= 2
+CASES = [("mimo", 1), ("mimo", 3), ("qwen3_5", 2)]
+
+
+@pytest.mark.parametrize("family, k", CASES)
 def test_pp2_generates_what_pp1_generates(ray_local, no_pooled_engines, checkpoints, family, k):
     pp1, pp2 = _start(_config(checkpoints[family], 1, k), _config(checkpoints[family], 2, k))
     try:
@@ -104,8 +108,8 @@ def test_pp2_generates_what_pp1_generates(ray_local, no_pooled_engines, checkpoi
             if label == "greedy":   # the checkpoint's drafts agree with its greedy choice about 2/3 of the time;
                 # sampled at T=1 from its flat distribution, they are rarely accepted
                 assert 0.05 < rate < 0.95, f"{label}: acceptance {rate:.3f} does not exercise accepts and rejects"
-        if k == 2:
-            _check_weight_sync(pp1, pp2, checkpoints[f"{family}_other"])
+        if k >= 2:
+            _check_weight_sync(pp1, pp2, checkpoints[f"{family}_other"], k)
         import ray
 
         first, last = ray.get(pp2.actors[0].pipeline_parallel_stats.remote())
@@ -120,7 +124,7 @@ def test_pp2_generates_what_pp1_generates(ray_local, no_pooled_engines, checkpoi
         pp2.shutdown()
 
 
-def _check_weight_sync(pp1: EngineClient, pp2: EngineClient, other_ckpt: Path) -> None:
+def _check_weight_sync(pp1: EngineClient, pp2: EngineClient, other_ckpt: Path, k: int) -> None:
     """Both engines synced to other weights through vLLM's weight-transfer API hold the same tensors (each stage
     its own layers, the drafter on the last, its own embedding copy included) and generate the same tokens."""
     import ray
@@ -144,7 +148,7 @@ def _check_weight_sync(pp1: EngineClient, pp2: EngineClient, other_ckpt: Path) -
     tokens1, m1 = _run(pp1, GREEDY, "synced")
     tokens2, m2 = _run(pp2, GREEDY, "synced")
     assert tokens2 == tokens1
-    assert _acceptance(m2, "synced", 2) == _acceptance(m1, "synced", 2)
+    assert _acceptance(m2, "synced", k) == _acceptance(m1, "synced", k)
 
 
 def test_pp2_without_the_patch_fails(checkpoints):
