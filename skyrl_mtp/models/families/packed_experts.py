@@ -11,6 +11,7 @@ so a checkpoint is written in the layout it was read in.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -143,9 +144,9 @@ class PackedExperts:
                 raise PackedExpertsError(f"{name}: dtype {dtype} differs from the rest of {v.stored!r} ({seen[v.stored]})")
             itemsize = torch.empty((), dtype=dtype).element_size()
             pieces.append((v.stored, v.element_offset(self.packed[v.stored]) * itemsize))
-        for s in {st for st, _ in pieces if st in self.packed}:
-            got = sum(1 for st, _ in pieces if st == s)
-            want = sum(1 for v in self.views.values() if v.stored == s)
-            if got != want:
-                raise PackedExpertsError(f"the stream writes {got} of the {want} views of {s!r}")
+        got = Counter(st for st, _ in pieces if st in self.packed)
+        want = Counter(v.stored for v in self.views.values())
+        for s, n in got.items():
+            if n != want[s]:
+                raise PackedExpertsError(f"the stream writes {n} of the {want[s]} views of {s!r}")
         return stored, pieces
