@@ -8,9 +8,11 @@ trains). Planning is a pure function of the request and of the resources Ray rep
 fails before any actor starts, with the numbers that do not add up.
 
 The plan is one placement group (strategy PACK):
-- separate: one bundle per engine `{CPU: cpus_per_engine, GPU: TP}` (an engine's TP GPUs must sit
-  on one node; vLLM's multiprocessing executor uses the GPUs visible to the engine actor), then
-  one bundle per policy rank `{CPU: cpus_per_policy_worker, GPU: 1}`.
+- separate: one bundle per engine `{CPU: cpus_per_engine, GPU: TP}` (TP here: all the engine's workers, tensor x
+  pipeline parallel; they must sit on one node), then one bundle per policy rank `{CPU: cpus_per_policy_worker,
+  GPU: 1}`. An engine of several workers runs them with vLLM's multiprocessing executor on the GPUs its actor
+  sees; the engine names that executor itself (rollout/engine.py `gpu_engine_defaults`), since vLLM would pick its
+  Ray executor inside a placement group, which refuses bundles of more than one GPU.
 - colocated (GPU): one bundle per engine `{CPU: cpus_per_engine + TP*cpus_per_policy_worker,
   GPU: TP}`, holding that engine and the TP policy ranks that share its GPUs. Ray accounts the
   GPUs to the policy ranks (num_gpus=1 each); the engine actor takes num_gpus=0 and must be given

@@ -15,6 +15,8 @@ from typing import Any
 from skyrl_mtp.allowed import DEFAULT_EXPLORE_BUDGET, EXPLORE_BUDGET_ALLOWED, MODEL_RUNNERS, is_explore_budget
 
 DTYPES = ("float32", "bfloat16", "float16")
+# vLLM executors an engine may name in engine_kwargs (several workers: "mp" only, see EngineConfig.__post_init__)
+EXECUTOR_BACKENDS = ("mp", "uni")
 PIPELINE_PARALLEL_SCHEDULER_CLS = ("skyrl_mtp.rollout.pipeline_parallel_scheduler."
                                    "PipelineParallelDraftScheduler")
 
@@ -166,6 +168,14 @@ class EngineConfig:
             raise _bad("weight_transfer_backend", self.weight_transfer_backend, f"one of {BACKENDS}")
         if not isinstance(self.engine_kwargs, dict):
             raise _bad("engine_kwargs", self.engine_kwargs, "a dict of extra vLLM engine arguments")
+        backend = self.engine_kwargs.get("distributed_executor_backend")
+        allowed_backends = EXECUTOR_BACKENDS if self.workers_per_engine == 1 else ("mp",)
+        if backend is not None and backend not in allowed_backends:
+            raise _bad("engine_kwargs", self.engine_kwargs,
+                       f"distributed_executor_backend one of {allowed_backends} for an engine of "
+                       f"{self.workers_per_engine} worker(s) (tensor x pipeline parallel), or unset ('uni' runs one "
+                       "worker; vLLM's Ray executor would place the workers in the run's placement group itself, and "
+                       "refuses the bundle of all an engine's GPUs that cluster/placement.py reserves)")
         extra = self.engine_kwargs.get("additional_config", {})
         if not isinstance(extra, dict) or any(str(key).startswith("skyrl_mtp") for key in extra):
             raise _bad("engine_kwargs", self.engine_kwargs, "an additional_config that is a dict without skyrl_mtp's "

