@@ -2,16 +2,19 @@
 peak memory, and the share of the step the decoupled draft loss takes (SkyRL measured ~7% on
 Qwen3.5-9B). Why: the number a GPU user sizes a run with, and the cost of training the MTP head.
 
+MFU counts 6N over the non-embedding parameters (the output layer's GEMM included) plus causal attention's
+FLOPs (6 x layers x S x heads x head_dim per token); HFU adds the forward that full recompute runs again.
+
     .venv/bin/python benchmarks/train_step_gpu.py [--hidden 2048 --layers 16 ... --json OUT]
     .venv/bin/python benchmarks/train_step_gpu.py --quick     # a tiny model, runs on CPU in seconds
 
 The default size is a ~1B-parameter MiMo-shaped random model (random weights written as an HF
-checkpoint first), bf16 with Megatron's DDP + distributed optimizer on CUDA (Transformer Engine's layer spec
-where it imports); on a machine without CUDA the same code runs on CPU (fp32, torch AdamW: the CPU path), where
-MFU is not reported. The draft-loss share is 1 - t(train_head=False) / t(train_head=True) on the same batches.
-Each row also gives the peak the GPU memory plan predicts for that step (config/memory_plan.py: weights, grads,
-optimizer, a micro-batch's activations, logits and draft loss; not the CUDA context), next to the measured
-torch.cuda.max_memory_allocated, so the plan can be checked on a GPU.
+checkpoint first), bf16 with Megatron's DDP + distributed optimizer on CUDA (--layer-impl: sdpa by default there,
+local or transformer_engine; torch's fused AdamW unless --foreach-adam); on a machine without CUDA the same code runs
+on CPU (fp32, torch AdamW: the CPU path, the local layers), where MFU is not reported. The draft-loss share is
+1 - t(train_head=False) / t(train_head=True) on the same batches. Each row also gives the peak the GPU memory plan
+predicts for that step and the phase it peaks in (config/memory_plan.py; not the CUDA context), next to the measured
+torch.cuda.max_memory_allocated (and max_memory_reserved), so the plan can be checked on a GPU.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ def _mimo_checkpoint(out: Path, a) -> Path:
     return out
 
 
-def predicted_peak_bytes(a, hf_cfg: dict, dtype: str, flash: bool) -> dict[str, int]:
-    """The memory plan's peak of one rank's train step at this shape, with and without the draft loss."""
+def predicted_peak_bytes(a, hf_cfg: dict, dtype: str, layer_impl: str, fused_adam: bool) -> dict[str, int]:
+    """The memory plan's peak of one rank's train step at this shape (what torch's allocator hands out: no CUDA
+    context), with and without the draft loss, and the phase that peaks."""
     from skyrl_mtp.config import compose_config
     from skyrl_mtp.config.memory_plan import model_shape, policy_memory
 
@@ -85,17 +89,36 @@ def predicted_peak_bytes(a, hf_cfg: dict, dtype: str, flash: bool) -> dict[str, 
                           f"megatron.recompute_activations={str(bool(a.recompute)).lower()}",
                           f"generator.max_model_len={a.seq}", f"data.max_prompt_length={prompt}",
                           f"generator.sampling.max_tokens={a.seq - prompt}", "trainer.mtp.num_speculative_tokens=1",
-                          "megatron.mtp_loss_chunk_size=auto"])
-    mem = policy_memory(model_shape(cfg, hf_cfg), cfg, flash=flash)
+                          "megatron.mtp_loss_chunk_size=auto", f"megatron.layer_impl={layer_impl}"])
+    mem = policy_memory(model_shape(cfg, hf_cfg), cfg, flash=layer_impl != "local", fused_adam=fused_adam)
     static = mem.weights + mem.grads + mem.optimizer
-    return {"mtp_on": static + mem.step, "mtp_off": static + mem.activations + mem.logits}
+    phases = {k: sum(v.values()) for k, v in mem.step_phases.items()}
+    off = max((k for k in phases if k != "draft loss"), key=phases.__getitem__)
+    return {"mtp_on": static + mem.step, "mtp_off": static + mem.step_without_draft_loss,
+            "phase_mtp_on": mem.step_peak[0], "phase_mtp_off": off}
 
 
-def _peak_mem_mb(cuda: bool) -> float:
+def model_flops_per_token(a) -> dict[str, float]:
+    """FLOPs per trained token of the policy (forward + backward = 3 x forward), its MTP head aside:
+    - model: 6 N with N the non-embedding parameters (the decoder layers; the output layer's GEMM counted, the
+      embedding lookup not), plus causal attention's two GEMMs, QK^T and PV: 2 x 2 x S x (heads x head_dim) per layer
+      forward, halved by the causal mask (the usual 6N + 6 x L x S x H_attn);
+    - hardware: what the GPU executes, with full recompute one more forward of every decoder layer (4 x forward)."""
+    h, d = a.hidden, a.hidden // a.heads
+    attn_w = 2 * h * a.heads * d + 2 * h * a.kv_heads * d      # q, o and k, v projections
+    layer = attn_w + 3 * h * a.intermediate                    # + SwiGLU (gate, up, down)
+    out_layer = a.vocab * h
+    layer_fwd = 2 * layer + 2 * a.seq * a.heads * d            # GEMMs + causal attention (2 x 2 x S x H / 2)
+    fwd = a.layers * layer_fwd + 2 * out_layer
+    hw = fwd * 3 + (a.layers * layer_fwd if a.recompute else 0)
+    return {"model": 3 * fwd, "hardware": hw, "six_n_embed": 6 * (a.layers * layer + 2 * out_layer)}
+
+
+def _peak_mem_mb(cuda: bool, reserved: bool = False) -> float:
     import torch
 
     if cuda:
-        return torch.cuda.max_memory_allocated() / 2**20
+        return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / 2**20
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -124,13 +147,18 @@ def run(a) -> dict:
 
     dev = rank_device()
     dtype = a.dtype or ("bfloat16" if dev.is_cuda else "float32")
+    layer_impl = a.layer_impl or ("sdpa" if dev.is_cuda else "local")
     with tempfile.TemporaryDirectory(prefix="train_step_gpu_") as tmp:
         ckpt = _mimo_checkpoint(Path(tmp) / "ckpt", a)
         cfg = PolicyWorkerConfig(policy_lr=1e-6, head_lr=1e-4, micro_batch_size=a.micro_batch, dtype=dtype,
-                                 recompute_activations=a.recompute, export_hf=False, export_draft_head=False)
+                                 recompute_activations=a.recompute, export_hf=False, export_draft_head=False,
+                                 layer_impl=layer_impl, fused_adam=not a.foreach_adam)
         pol = MegatronPolicy(cfg, str(ckpt), 0, 1, "127.0.0.1", free_port())
     n_params = sum(p.numel() for p in pol.policy_params)
-    predicted = predicted_peak_bytes(a, _hf_cfg(a), dtype, bool(pol.transformer_engine))
+    # the policy side's optimizer steps fused: TE's FusedAdam, or torch's AdamW with its fused flag (both paths)
+    fused = bool(pol.transformer_engine) or all(g.get("fused") for g in pol.policy_side.torch_optimizer.param_groups)
+    predicted = predicted_peak_bytes(a, _hf_cfg(a), dtype, layer_impl, fused)
+    flops = model_flops_per_token(a)
     batch = random_dapo_batch(torch.Generator().manual_seed(0), a.batch, a.seq, vocab=a.vocab)
     tokens = a.batch * a.seq
     gpu = torch.cuda.get_device_name(0) if dev.is_cuda else None
@@ -149,14 +177,21 @@ def run(a) -> dict:
             torch.cuda.synchronize()
         step_s = (time.perf_counter() - t0) / a.steps
         tps = tokens / step_s
-        # 6 N per token for forward+backward of the trunk (attention's S^2 term left out, as usual)
-        mfu = 6 * n_params * tps / peak if peak else None
-        rows.append({"setting": setting, "step_s": step_s, "tokens_per_s": tps, "mfu": mfu,
-                     "peak_mem_mb": _peak_mem_mb(dev.is_cuda), "predicted_peak_mb": predicted[setting] / 2**20,
+        # model FLOPs utilisation (non-embedding 6N + attention) and hardware FLOPs utilisation (with recompute's
+        # extra forward); mfu_6n_embed: the 6N-with-embedding figure of earlier reports, for comparison
+        mfu = flops["model"] * tps / peak if peak else None
+        hfu = flops["hardware"] * tps / peak if peak else None
+        rows.append({"setting": setting, "step_s": step_s, "tokens_per_s": tps, "mfu": mfu, "hfu": hfu,
+                     "mfu_6n_embed": flops["six_n_embed"] * tps / peak if peak else None,
+                     "peak_mem_mb": _peak_mem_mb(dev.is_cuda),
+                     "peak_reserved_mb": _peak_mem_mb(dev.is_cuda, reserved=True) if dev.is_cuda else None,
+                     "predicted_peak_mb": predicted[setting] / 2**20, "predicted_phase": predicted[f"phase_{setting}"],
                      "policy_loss": m["policy/loss"]})
     on, off = rows[0]["step_s"], rows[1]["step_s"]
     return {"device": gpu or "cpu", "dtype": dtype, "params": n_params, "tokens_per_step": tokens,
             "optimizer": type(pol.policy_side).__name__, "transformer_engine": bool(pol.transformer_engine),
+            "layer_impl": layer_impl, "fused_adam": fused, "recompute": bool(a.recompute),
+            "fused_swiglu": bool(cfg.fused_swiglu and dev.is_cuda),
             "draft_loss_share": 1.0 - off / on, "rows": rows,
             "shape": {k: getattr(a, k) for k in QUICK}}
 
@@ -176,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--recompute", action="store_true", help="Megatron full activation recompute")
+    ap.add_argument("--layer-impl", dest="layer_impl", choices=("local", "sdpa", "transformer_engine"), default=None,
+                    help="megatron.layer_impl (default: sdpa on CUDA, local on CPU)")
+    ap.add_argument("--foreach-adam", dest="foreach_adam", action="store_true",
+                    help="torch's foreach AdamW as megatron-core builds it (default: the fused kernel on GPUs)")
     ap.add_argument("--quick", action="store_true", help="tiny model, a couple of steps (runs on CPU)")
     ap.add_argument("--json", help="write the result here")
     a = ap.parse_args(argv)
@@ -186,12 +225,19 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(a, k, v)
     res = run(a)
     print(f"device={res['device']} dtype={res['dtype']} params={res['params'] / 1e6:.1f}M "
-          f"optimizer={res['optimizer']} tokens/step={res['tokens_per_step']}")
-    print(f"{'setting':<8} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak MB':>9} {'plan MB':>9}")
+          f"optimizer={res['optimizer']} layer_impl={res['layer_impl']} fused_adam={res['fused_adam']} "
+          f"fused_swiglu={res['fused_swiglu']} "
+          f"recompute={res['recompute']} tokens/step={res['tokens_per_step']}")
+    print(f"{'setting':<8} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'HFU':>6} {'peak MiB':>9} {'reserved':>9} "
+          f"{'plan MiB':>9}  plan's peak phase")
+
+    def pct(v):
+        return f"{v:.1%}" if v is not None else "n/a"
+
     for r in res["rows"]:
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"{r['setting']:<8} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.1f} {mfu:>6} {r['peak_mem_mb']:>9.0f} "
-              f"{r['predicted_peak_mb']:>9.0f}")
+        reserved = f"{r['peak_reserved_mb']:.0f}" if r["peak_reserved_mb"] is not None else "n/a"
+        print(f"{r['setting']:<8} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.1f} {pct(r['mfu']):>6} {pct(r['hfu']):>6} "
+              f"{r['peak_mem_mb']:>9.0f} {reserved:>9} {r['predicted_peak_mb']:>9.0f}  {r['predicted_phase']}")
     print(f"draft loss share of the step: {res['draft_loss_share']:.1%}")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))

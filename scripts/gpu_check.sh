@@ -12,8 +12,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
 PY=${PYTHON:-python3}
-# Pinned: megatron-core 0.19.2 is what the `gpu` extra resolves on Python 3.12.
-PACKAGES=(megatron-core==0.19.2 hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3)
+# Pinned: megatron-core 0.19.2 is what the `gpu` extra resolves on Python 3.12. bm25s (pure Python, needs numpy):
+# the tiny checkpoint's tokenizer is trained on text that includes BM25-retrieved documents (models/tiny.py).
+# The GPU machine lacks ray, vllm, wandb, math-verify, datasets, fastapi and uvicorn too: nothing tests/gpu or the
+# benchmark runs there needs them (tests/unit/test_gpu_check_script.py checks it with them made unimportable).
+PACKAGES=(megatron-core==0.19.2 hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 bm25s==0.3.16)
 
 if [[ "${1:-}" == "--download" ]]; then
   mkdir -p "$WHEELS"
@@ -55,7 +58,8 @@ nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
 export PYTHONPATH="$PWD:/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "import torch, megatron.core; print('torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0), '| megatron-core', megatron.core.__version__)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 
-# 1. the GPU-marked tests (policy on CUDA, placement and weight sync where Ray / a 2nd GPU exist)
+# 1. the GPU-marked tests (policy on CUDA, placement and weight sync where Ray / a 2nd GPU exist); each spawned policy
+#    process takes ~25 s on an H200, the whole stage ~130 s
 timeout 330 "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts="" -rA --timeout=300 \
   --junitxml="$OUT_DIR/tests_gpu.xml" > "$OUT_DIR/tests_gpu.log" 2>&1
 log "tests/gpu exit $? ($(grep -Eo '[0-9]+ (passed|failed|skipped|error)[a-z]*' "$OUT_DIR/tests_gpu.log" | tr '\n' ' '))"

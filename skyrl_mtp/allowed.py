@@ -27,6 +27,11 @@ RESUME_MODES = ("auto", "never")
 SYNTHETIC_TASKS = ("arithmetic", "search")
 SEARCH_ON_FAILURE = ("score", "raise")
 MODEL_RUNNERS = ("v1", "v2")   # vLLM's model runners (generator.model_runner, EngineConfig.model_runner)
+# megatron.layer_impl: the policy's layer spec / core attention (models/families/megatron_common.py)
+LAYER_IMPLS = ("local", "sdpa", "transformer_engine")
+ASYNC_RL_MODES = ("sync", "one_step_off")     # trainer.async_rl.mode
+OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")   # algorithm.off_policy.correction
+TIS_LEVELS = ("token", "sequence")            # algorithm.off_policy.tis_level
 
 # Tokens per chunk of the draft loss: an int (0 = all tokens at once) or "auto", as many tokens as keep
 # one chunk's logits on a rank's vocab shard at MTP_LOSS_CHUNK_AUTO_ELEMENTS (512 MiB in fp32): few chunks

@@ -21,6 +21,7 @@ def dapo_policy_loss(
     dual_clip_c: float | None = None,
     loss_reduction: str = "token_mean",
     global_num_tokens: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Return (loss, metrics).
 
@@ -28,6 +29,8 @@ def dapo_policy_loss(
     A < 0 is capped at -c*A. Reductions: "token_mean" sums over valid tokens of the batch and divides by their count
     (or by `global_num_tokens` when given); "seq_mean_token_mean" / "seq_mean_token_sum" average per-sequence
     token-means / token-sums over sequences that have at least one valid token.
+    `token_weights` ([B, S], no gradient; off_policy.py's corrections): each token's loss is multiplied by its
+    weight before the reduction; None leaves the loss as above, operation for operation.
     """
     if eps_clip_low < 0:
         raise ValueError(f"eps_clip_low={eps_clip_low} must be >= 0")
@@ -42,6 +45,8 @@ def dapo_policy_loss(
     shapes = {t.shape for t in (logprobs, old_logprobs, advantages, loss_mask)}
     if len(shapes) != 1:
         raise ValueError(f"logprobs/old_logprobs/advantages/loss_mask shapes differ: {sorted(map(tuple, shapes))}")
+    if token_weights is not None and token_weights.shape != logprobs.shape:
+        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, expected {tuple(logprobs.shape)}")
 
     mask = loss_mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs) * mask
@@ -53,6 +58,8 @@ def dapo_policy_loss(
     if dual_clip_c is not None:
         capped = torch.minimum(per_token, -adv * dual_clip_c)
         per_token = torch.where(adv < 0, capped, per_token)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
 
     n_valid = mask.sum()
     if loss_reduction == "token_mean":

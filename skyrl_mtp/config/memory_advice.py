@@ -41,7 +41,7 @@ def _family_takes_tp(hf_cfg: dict, tp: int, ep: int, pp: int) -> bool:
     return True
 
 
-def training_fixes(cfg: Any, hf_cfg: dict, te: bool, phase: str, replan: Callable[..., Any]
+def training_fixes(cfg: Any, hf_cfg: dict, phase: str, replan: Callable[..., Any]
                    ) -> list[tuple[dict[str, Any], int]]:
     """(changes, that phase's bytes) of the policy settings that bring the training phase within budget; `replan`
     is memory_plan.memory_plan (passed in: the arithmetic imports this module, not the other way round)."""
@@ -49,6 +49,8 @@ def training_fixes(cfg: Any, hf_cfg: dict, te: bool, phase: str, replan: Callabl
 
     m = cfg.megatron
     candidates: list[dict[str, Any]] = []
+    if str(m.layer_impl) == "local":   # the same model without the materialised attention scores
+        candidates.append({"megatron.layer_impl": "sdpa"})
     if not m.recompute_activations:
         candidates.append({"megatron.recompute_activations": True})
     for rows in range(int(m.micro_batch_size) - 1, 0, -1):
@@ -57,10 +59,12 @@ def training_fixes(cfg: Any, hf_cfg: dict, te: bool, phase: str, replan: Callabl
             candidates.append({"megatron.micro_batch_size": rows, "megatron.recompute_activations": True})
     if int(m.dp) % 2 == 0 and _family_takes_tp(hf_cfg, 2 * int(m.tp), int(m.ep), int(m.pp)):
         candidates.append({"megatron.tp": 2 * int(m.tp), "megatron.dp": int(m.dp) // 2})
+    if str(m.layer_impl) == "local":   # each of the above with SDPA too
+        candidates += [{"megatron.layer_impl": "sdpa", **c} for c in candidates[1:]]
     out = []
     for changes in candidates:
         try:
-            plan = memory_plan(_with(cfg, changes), hf_cfg, transformer_engine=te, suggest=False)
+            plan = memory_plan(_with(cfg, changes), hf_cfg, suggest=False)
         except (ValueError, ZeroDivisionError):   # e.g. heads not divisible by the larger TP
             continue
         if plan.phases[phase] <= plan.usable:
@@ -79,18 +83,30 @@ def _fmt(changes: dict[str, Any]) -> str:
     return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
 
 
-def plan_problems(plan: Any, cfg: Any, hf_cfg: dict, te: bool, suggest: bool, user_util: bool,
-                  replan: Callable[..., Any]) -> list[str]:
+def training_sum(plan: Any) -> str:
+    """The training phase's bytes as the sum they are: the resident policy state, the parts of the step's phase that
+    peaks (named), and a sleeping engine's allowance where one shares the GPU."""
     p, e = plan.policy, plan.engine
+    step, _ = p.step_peak
+    parts = {"weights": p.weights, "grads": p.grads, "optimizer": p.optimizer, "process overhead": p.overhead,
+             **p.step_phases[step]}
+    if plan.colocated:
+        parts["sleeping engine"] = e.asleep
+    total = sum(parts.values())
+    return (f"peak in the {step} phase: " + " + ".join(f"{k} {_gb(v)}" for k, v in parts.items() if v)
+            + f" = {_gb(total)}")
+
+
+def plan_problems(plan: Any, cfg: Any, hf_cfg: dict, suggest: bool, user_util: bool,
+                  replan: Callable[..., Any]) -> list[str]:
+    e = plan.engine
     gb = cfg.trainer.placement.gpu_memory_gb
     budget = f"of the {_gb(plan.usable)} usable of trainer.placement.gpu_memory_gb={gb} (5% kept for fragmentation)"
     out: list[str] = []
     train_phase = "training (engines asleep)" if plan.colocated else "policy GPUs (training)"
     if plan.phases[train_phase] > plan.usable:
-        parts = (f"weights {_gb(p.weights)}, grads {_gb(p.grads)}, optimizer {_gb(p.optimizer)}, activations "
-                 f"{_gb(p.activations)}, logits {_gb(p.logits)}, draft loss {_gb(p.draft_loss)}"
-                 + (f", sleeping engine {_gb(e.asleep)}" if plan.colocated else ""))
-        fixes = training_fixes(cfg, hf_cfg, te, train_phase, replan) if suggest else []
+        parts = training_sum(plan)
+        fixes = training_fixes(cfg, hf_cfg, train_phase, replan) if suggest else []
         key, value = ("trainer.placement.gpu_memory_gb", gb)
         if fixes:
             key = next(iter(fixes[0][0]))

@@ -7,19 +7,23 @@ free). The plan adds up every part for each phase of a step, refuses a config th
 `trainer.placement.gpu_memory_gb` (naming settings that would), sets the engines' `gpu_memory_utilization`, and
 decides whether grads and optimizer state go to host memory while the engines are awake.
 
-What is counted (bytes per GPU; the formulas are the functions below, checked by hand in
-tests/unit/cluster/test_memory_plan.py):
+What is counted (bytes per GPU; the formulas are the functions below, each citing the megatron-core / torch code
+it models, checked by hand and against eight rows measured on an H200 in tests/unit/cluster/test_memory_plan.py):
 - policy (Megatron, TP x DP): bf16 weights, fp32 grad buffer (DDP grad_reduce_in_fp32), distributed optimizer
   (fp32 master copy + Adam's two moments, sharded over DP), for the policy and, separately, the MTP head;
-- activations per micro-batch, saved for backward, with and without full recompute; the attention that will run:
-  Transformer Engine's fused / flash kernel keeps q, k, v and the output, the local spec also the [S, S] softmax
-  (fp32) and its bf16 copy per head;
-- the logits ([tokens, vocab / TP] in the model dtype, the fp32 copy the cross-entropy keeps, the grad) and the draft
-  loss's teacher rows and chunk;
+- a training step in three phases, each on top of that state: forward and backward (a micro-batch's saved
+  activations, with or without full recompute, one attention layer's backward and the logits), the draft loss
+  (after the policy's backward: the logits and the MTP head's replay), the optimizer step (torch's foreach AdamW
+  allocates an fp32 temporary of every parameter; the fused kernels none). The attention that runs
+  (megatron.layer_impl): the local spec keeps the [S, S] softmax (fp32) and its bf16 copy per head, writes the raw
+  scores into a global buffer that outlives the step, and its backward holds fp32 gradients of one layer's scores;
+  SDPA's and Transformer Engine's kernels keep q, k, v and the output only. The policy's forward does not run the
+  MTP layers (mtp/native_loss_patch.py); the draft loss replays them;
 - the engine (per GPU of an engine): weights, MTP drafter, KV cache (generator.kv_cache_memory_mb) and how many
   tokens it holds, activations of a max_num_batched_tokens step, CUDA graphs, vLLM's gpu_memory_utilization;
-- fixed allowances per process (CUDA context, NCCL, allocator slack) and a 5% headroom for fragmentation.
-These are estimates from the architecture, not measurements: compare with benchmarks/train_step_gpu.py's peak.
+- fixed allowances per process (CUDA context, NCCL: outside torch's allocator), the cuBLAS workspaces torch's
+  allocator counts, and a 5% headroom for fragmentation (what the allocator reserves beyond what it hands out:
+  benchmarks/train_step_gpu.py reports torch.cuda.max_memory_reserved next to max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ ENGINE_OVERHEAD = 1 * GIB           # an engine worker's CUDA context, NCCL, vLL
 CUDA_GRAPHS = 1 * GIB               # vLLM's graph pool (enforce_eager=false); kept while a sleep-mode engine sleeps
 VLLM_BATCHED_TOKENS = 16384         # vLLM 0.32's max_num_batched_tokens on >= 70 GB GPUs (arg_utils get_batch_defaults)
 DRAFT_CHUNK_BYTES_PER_LOGIT = 16    # a draft-loss chunk: fp32 student logits, log-softmax, teacher probs, grad
+# what torch's allocator holds beyond the terms below at a training step's peak: cuBLAS / cuBLASLt workspaces
+# (torch allocates them through its caching allocator) and rounding; 67 MiB in every measured H200 row
+WORKSPACES = 80 * MIB
+# torch's foreach Adam / AdamW step: `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)` (torch/optim/adam.py
+# _multi_tensor_adam), an fp32 tensor per parameter of the group, all alive at once; the fused kernels allocate none
+FOREACH_ADAM_TEMP_BYTES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -55,6 +65,10 @@ class PolicyMemory:
     activations_recompute: int
     logits: int
     draft_loss: int
+    attention_buffer: int = 0       # the local attention's global score buffer (lives from the first forward on)
+    attention_backward: int = 0     # one local attention layer's backward beyond what it saved
+    optimizer_step: int = 0         # the optimizer step's temporaries (foreach AdamW), the larger side's
+    workspaces: int = WORKSPACES
     overhead: int = POLICY_OVERHEAD
 
     @property
@@ -67,10 +81,33 @@ class PolicyMemory:
         return self.weights + self.overhead
 
     @property
+    def step_phases(self) -> dict[str, dict[str, int]]:
+        """Each phase of a training step: its parts beyond the resident state. Forward and backward: a micro-batch's
+        saved activations, one attention layer's backward and the logits' working set (the latter two do not
+        coincide in time: their sum is the plan's margin); the draft loss, after the policy's backward: the logits it
+        keeps as teacher and the head's replay; the optimizer step: its temporaries."""
+        common = {"attention buffer": self.attention_buffer, "workspaces": self.workspaces}
+        out = {"forward and backward": {"activations": self.activations, "attention backward": self.attention_backward,
+                                        "logits": self.logits, **common}}
+        if self.draft_loss:
+            out["draft loss"] = {"logits": self.logits, "draft loss": self.draft_loss, **common}
+        out["optimizer step"] = {"optimizer temporaries": self.optimizer_step, **common}
+        return out
+
+    @property
+    def step_peak(self) -> tuple[str, int]:
+        """(the phase of a training step that peaks, its bytes beyond the resident state)."""
+        return max(((k, sum(v.values())) for k, v in self.step_phases.items()), key=lambda kv: kv[1])
+
+    @property
     def step(self) -> int:
-        """A training micro-batch beyond the resident state: its activations and logits, or (after the policy's
-        backward) the logits it keeps as the draft loss's teacher plus that loss."""
-        return max(self.activations + self.logits, self.logits + self.draft_loss)
+        """A training step's peak beyond the resident state."""
+        return self.step_peak[1]
+
+    @property
+    def step_without_draft_loss(self) -> int:
+        """The same with the head not trained this step (``train_step(train_head=False)``)."""
+        return max(sum(v.values()) for k, v in self.step_phases.items() if k != "draft loss")
 
 
 @dataclass(frozen=True)
@@ -99,7 +136,7 @@ class MemoryPlan:
     device: str                     # "gpu" (enforced) or "cpu" (printed only)
     gpu_bytes: int
     colocated: bool
-    attention: str                  # "flash (Transformer Engine)" or "local (materialised scores)"
+    attention: str                  # megatron.layer_impl's attention, in words (ATTENTION)
     train_tokens: tuple[int, int]   # (micro-batch rows, tokens per row)
     policy: PolicyMemory
     engine: EngineMemory
@@ -134,12 +171,14 @@ def train_sequence_length(cfg: Any) -> int:
 
 def layer_activation_elements(shape: Any, *, linear: bool, tp: int, flash: bool) -> int:
     """Elements per token a transformer layer saves for backward (no sequence parallelism, no dropout): both norms'
-    inputs and outputs (4h, whole on every TP rank), the SwiGLU MLP (gate and up output, their product: 3f/TP), and
-    the mixer: attention keeps q, k, v and its output ((2a + 2g)d/TP with a fused kernel; the local spec repeats k
-    and v to every head: 4ad/TP), a gated attention also the gate and its sigmoid (2ad/TP); a Gated DeltaNet layer
-    its projections, conv output and gates (estimate: 3 x qkv + 3 x value + 2 x heads, / TP)."""
+    inputs and outputs (4h, whole on every TP rank), the SwiGLU MLP without Megatron's fusion (megatron/core/
+    transformer/mlp.py ``glu``: linear_fc1's output [gate, up] 2f, silu(gate) f kept by the product, the product f
+    kept by linear_fc2: 4f/TP), and the mixer: attention keeps q, k, v and its output ((2a + 2g)d/TP with a fused
+    kernel; the local DotProductAttention repeats k and v to every head: 4ad/TP), a gated attention also the gate and
+    its sigmoid (2ad/TP); a Gated DeltaNet layer its projections, conv output and gates (estimate: 3 x qkv + 3 x value
+    + 2 x heads, / TP)."""
     h, a, g, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
-    out = 4 * h + 3 * f // tp
+    out = 4 * h + 4 * f // tp
     if linear:
         return out + (3 * shape.linear_qkv + 3 * shape.linear_value + 2 * shape.linear_heads) // tp
     out += ((2 * a + 2 * g) * d if flash else 4 * a * d) // tp
@@ -149,26 +188,46 @@ def layer_activation_elements(shape: Any, *, linear: bool, tp: int, flash: bool)
 
 
 def attention_score_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool) -> int:
-    """The local spec's softmax per attention layer: [rows, heads / TP, S, S] fp32 probabilities (kept by the softmax)
-    and their bf16 copy (kept by the bmm with v); none with a fused / flash kernel."""
+    """The local spec's softmax per attention layer (fusions/fused_softmax.py ``forward_torch_softmax``: the scores
+    converted to fp32, softmax, then back to the input dtype): [rows, heads / TP, S, S] fp32 probabilities kept by
+    the softmax and their bf16 copy kept by the bmm with v; none with SDPA's or Transformer Engine's kernels."""
     return 0 if flash else rows * (shape.heads // tp) * seq * seq * (4 + 2)
 
 
-def activation_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool, recompute: bool, act_bytes: int,
-                     mtp_forward_layers: int, draft_depths: int) -> int:
-    """Saved activations of one micro-batch at their peak: every trunk layer's (or, with full recompute, every layer's
-    input plus one layer's, re-run in backward), and the MTP layers the policy's forward runs (their graph lives
-    until its backward); the draft replay runs after that backward (draft_loss_bytes)."""
+def attention_buffer_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool, act_bytes: int) -> int:
+    """The local DotProductAttention's raw scores: ``parallel_state.get_global_memory_buffer().get_tensor((b * np, sq,
+    sk), query.dtype, "mpu")`` (transformer/dot_product_attention.py; core/utils.py GlobalMemoryBuffer keeps it for
+    the process's life, hand_over_to_engines frees it): [rows x heads / TP, S, S] in the model dtype, once."""
+    if flash or not shape.attention_layers:
+        return 0
+    return rows * (shape.heads // tp) * seq * seq * act_bytes
+
+
+def attention_backward_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool) -> int:
+    """One local attention layer's backward beyond the 6 B per score it saved: the softmax's backward holds its fp32
+    output, the fp32 gradient coming in (the backward of the probabilities' cast to the model dtype) and the fp32
+    gradient it returns (``_softmax_backward_data``) at once: 12 B per score, 6 more; none with SDPA's or Transformer
+    Engine's kernels (they recompute the scores in tiles)."""
+    if flash or not shape.attention_layers:
+        return 0
+    return rows * (shape.heads // tp) * seq * seq * 6
+
+
+def activation_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool, recompute: bool, act_bytes: int) -> int:
+    """Saved activations of one micro-batch at their peak: every trunk layer's, or with full recompute
+    (transformer_block.py ``_checkpointed_forward``, one layer per checkpoint) every layer's input plus one layer's,
+    re-run in backward. The policy's forward runs no MTP layer (mtp/native_loss_patch.py); the draft replay runs
+    after its backward (draft_loss_bytes)."""
     tokens = rows * seq
     linear = shape.layers - shape.attention_layers
     per = {kind: layer_activation_elements(shape, linear=kind, tp=tp, flash=flash) * tokens * act_bytes
            for kind in (False, True)}
     scores = attention_score_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash)
     inputs = tokens * shape.hidden * act_bytes
-    if recompute:   # Megatron checkpoints the MTP layers of the forward the same way (multi_token_prediction.py)
+    if recompute:
         one = max(per[False] + scores, per[True] if linear else 0)
-        return (shape.layers + mtp_forward_layers) * inputs + one
-    return shape.attention_layers * (per[False] + scores) + linear * per[True] + mtp_forward_layers * (per[False] + scores)
+        return shape.layers * inputs + one
+    return shape.attention_layers * (per[False] + scores) + linear * per[True]
 
 
 def logits_bytes(shape: Any, *, tokens: int, tp: int, act_bytes: int) -> int:
@@ -207,7 +266,8 @@ def pipeline_stages(shape: Any, pp: int) -> list[tuple[Any, bool, int, int]]:
     return [(stage(per), False, pp, 0), (stage(per), True, 1, embed)]
 
 
-def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: int, frozen: int) -> PolicyMemory:
+def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: int, frozen: int,
+                  fused_adam: bool = True) -> PolicyMemory:
     from skyrl_mtp.config.mtp_knob import train_depths
     from skyrl_mtp.mtp.draft_losses import chunk_tokens
 
@@ -225,8 +285,7 @@ def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: i
     expert_dp = max(tp * dp // ep, 1)
     seq = train_sequence_length(cfg)
     depths = train_depths(cfg) if head else 0
-    kw = dict(rows=rows, seq=seq, tp=tp, flash=flash, act_bytes=pbytes,
-              mtp_forward_layers=shape.mtp_layers if head else 0, draft_depths=depths)
+    kw = dict(rows=rows, seq=seq, tp=tp, flash=flash, act_bytes=pbytes)
     with_rc = in_flight * activation_bytes(shape, recompute=True, **kw)
     without = in_flight * activation_bytes(shape, recompute=False, **kw)
     draft_tokens = rows * min(seq, int(cfg.generator.sampling.max_tokens))
@@ -237,17 +296,27 @@ def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: i
                                  rows=rows, seq=seq, flash=flash)
     # the output layer's logits live on the stage that holds it (the last, or the only one)
     logits = logits_bytes(shape, tokens=rows * seq, tp=tp, act_bytes=pbytes) if in_flight == 1 else 0
+    # each side steps its own optimizer over its own shard (the policy's trunk and experts, the head's)
+    shards = (trunk // dp + shape.expert_params // ep // expert_dp,
+              mtp // dp + (shape.mtp_expert_params // ep // expert_dp if head else 0))
     return PolicyMemory(weights=(params + frozen // tp) * pbytes, grads=params * 4,
                         optimizer=(trunk + mtp) * (master + 8) // dp + experts * (master + 8) // expert_dp,
                         master_weights=(trunk + mtp) * master // dp + experts * master // expert_dp,
                         activations=with_rc if bool(m.recompute_activations) else without,
                         activations_no_recompute=without, activations_recompute=with_rc,
-                        logits=logits, draft_loss=draft)
+                        logits=logits, draft_loss=draft,
+                        attention_buffer=attention_buffer_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash,
+                                                                act_bytes=pbytes),
+                        attention_backward=attention_backward_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash),
+                        optimizer_step=0 if fused_adam else FOREACH_ADAM_TEMP_BYTES * max(shards))
 
 
-def policy_memory(shape: Any, cfg: Any, *, flash: bool) -> PolicyMemory:
-    """One policy rank's memory; under pipeline parallelism, that of the stage with the higher training peak."""
-    stages = [_stage_memory(s, cfg, flash=flash, head=head, in_flight=n, frozen=frozen)
+def policy_memory(shape: Any, cfg: Any, *, flash: bool, fused_adam: bool = True) -> PolicyMemory:
+    """One policy rank's memory; under pipeline parallelism, that of the stage with the higher training peak.
+    ``flash``: the attention never materialises its scores (megatron.layer_impl sdpa or transformer_engine);
+    ``fused_adam``: the optimizers step with fused kernels (the policy worker's default on GPUs, TE's / apex's
+    FusedAdam), else torch's foreach AdamW (megatron-core's fallback as it builds it)."""
+    stages = [_stage_memory(s, cfg, flash=flash, head=head, in_flight=n, frozen=frozen, fused_adam=fused_adam)
               for s, head, n, frozen in pipeline_stages(shape, int(cfg.megatron.pp))]
     return max(stages, key=lambda p: (p.resident + p.step, p.resident))
 
@@ -314,11 +383,17 @@ def model_shape(cfg: Any, hf_cfg: dict):
     return family.memory_shape(family.args_from_config(hf_cfg), mtp)
 
 
-def memory_plan(cfg: Any, hf_cfg: dict, *, transformer_engine: bool, suggest: bool = True) -> MemoryPlan:
-    """The plan of `cfg` (a validated run config) for the model of `hf_cfg` (its config.json); `transformer_engine`:
-    the attention the policy will run. `suggest`: look for settings that fit when it does not (re-plans)."""
+ATTENTION = {"local": "local (materialised scores)", "sdpa": "SDPA (torch scaled_dot_product_attention)",
+             "transformer_engine": "flash (Transformer Engine)"}
+
+
+def memory_plan(cfg: Any, hf_cfg: dict, *, suggest: bool = True) -> MemoryPlan:
+    """The plan of `cfg` (a validated run config) for the model of `hf_cfg` (its config.json), with the layers
+    megatron.layer_impl names (the policy workers check on their nodes that they can build them) and, on GPUs, fused
+    Adam steps (the policy worker's default). `suggest`: look for settings that fit when it does not (re-plans)."""
     shape = model_shape(cfg, hf_cfg)
-    flash = bool(transformer_engine)
+    layer_impl = str(cfg.megatron.layer_impl)
+    flash = layer_impl != "local"
     pol, eng = policy_memory(shape, cfg, flash=flash), engine_memory(shape, cfg)
     gpu = int(float(cfg.trainer.placement.gpu_memory_gb) * 1e9)
     colocated = bool(cfg.trainer.placement.colocate) and on_gpu(cfg)
@@ -344,13 +419,13 @@ def memory_plan(cfg: Any, hf_cfg: dict, *, transformer_engine: bool, suggest: bo
     free = gpu - at_start
     user_util = dict(cfg.generator.engine_kwargs).get("gpu_memory_utilization")
     util = float(user_util) if user_util is not None else min(math.ceil(eng.awake / gpu * 100) / 100, 1.0)
-    attention = "flash (Transformer Engine)" if flash else "local (materialised scores)"
+    attention = ATTENTION[layer_impl]
     plan = MemoryPlan("gpu" if on_gpu(cfg) else "cpu", gpu, colocated, attention,
                       (int(cfg.megatron.micro_batch_size), train_sequence_length(cfg)), pol, eng, ipc, offload, util,
                       free, phases)
     if plan.device == "gpu":
-        plan = replace(plan, problems=tuple(plan_problems(plan, cfg, hf_cfg, transformer_engine, suggest,
-                                                               user_util is not None, memory_plan)))
+        plan = replace(plan, problems=tuple(plan_problems(plan, cfg, hf_cfg, suggest, user_util is not None,
+                                                               memory_plan)))
     return plan
 
 
@@ -367,6 +442,12 @@ def describe(plan: MemoryPlan) -> str:
              f"(without recompute {fmt_bytes(p.activations_no_recompute)}, with {fmt_bytes(p.activations_recompute)})",
              f"    logits {fmt_bytes(p.logits)}, draft loss (teacher rows, chunk, replay) {fmt_bytes(p.draft_loss)}, "
              f"overhead {fmt_bytes(p.overhead)}",
+             f"    attention score buffer {fmt_bytes(p.attention_buffer)}, one attention layer's backward "
+             f"{fmt_bytes(p.attention_backward)}, optimizer-step temporaries {fmt_bytes(p.optimizer_step)}, "
+             f"workspaces {fmt_bytes(p.workspaces)}",
+             "    a training step's phases beyond the resident state: " + ", ".join(
+                 f"{k} {fmt_bytes(sum(v.values()))}" for k, v in p.step_phases.items())
+             + f" (peak: {p.step_peak[0]})",
              "  engine (per GPU):",
              f"    weights {fmt_bytes(e.weights)}, drafter {fmt_bytes(e.drafter)}, KV cache {fmt_bytes(e.kv_cache)} "
              f"({e.kv_tokens} tokens), activations {fmt_bytes(e.activations)}, CUDA graphs {fmt_bytes(e.cuda_graphs)}, "
@@ -388,12 +469,10 @@ def describe(plan: MemoryPlan) -> str:
 __all__ = ["EngineMemory", "MemoryPlan", "PolicyMemory", "memory_plan", "problem"]
 
 
-def transformer_engine_for(cfg: Any) -> bool:
-    """The attention the plan counts and the policy workers must build: Transformer Engine's on GPUs where it is
-    installed (the driver runs the workers' image), else the local spec."""
-    from skyrl_mtp.models.families.megatron_common import transformer_engine_installed
-
-    return on_gpu(cfg) and transformer_engine_installed()
+def layer_impl_for(cfg: Any) -> str:
+    """The layers the plan counts and the policy workers build: megatron.layer_impl (a setting, not a guess from the
+    submitting machine; each worker checks on its node that it can build them)."""
+    return str(cfg.megatron.layer_impl)
 
 
 def run_hf_config(cfg: Any) -> dict:
@@ -416,6 +495,6 @@ def run_memory_plan(cfg: Any) -> MemoryPlan | None:
     from skyrl_mtp.models.families import ModelBuildError
 
     try:
-        return memory_plan(cfg, run_hf_config(cfg), transformer_engine=transformer_engine_for(cfg))
+        return memory_plan(cfg, run_hf_config(cfg))
     except (OSError, ValueError, ModelBuildError):   # no config.json, not JSON, or no family knows it
         return None

@@ -39,7 +39,7 @@ class MTPConfig:
     # an int k >= 1 (k drafts every engine step), or "auto": k is chosen per engine step between 0 and
     # max_speculative_tokens from the running batch, live acceptance and timings measured on the engine
     num_speculative_tokens: int | str = 2
-    max_speculative_tokens: int = 3   # the maximum k when num_speculative_tokens=auto (ignored otherwise)
+    max_speculative_tokens: int = 3   # the maximum k when num_speculative_tokens=auto (refused with a fixed k)
     # how the head drafts in vLLM: "greedy" (argmax; acceptance <= p_target(argmax) at T=1) or
     # "probabilistic" (sampled from the head's distribution; pairs with loss_type=tv). Probabilistic
     # drafts use vLLM's rejection-sampling coupling (lossless in distribution, tokens depend on drafts).
@@ -139,6 +139,15 @@ class WarmStartConfig:
 
 
 @dataclass
+class AsyncRLConfig:
+    """How generation and training overlap (docs/async.md)."""
+
+    # sync: each step generates, scores, trains and syncs the weights in turn; one_step_off: the next step's batch is
+    # generated, with the weights from before this step's update, while this step trains (staleness 1)
+    mode: str = "sync"
+
+
+@dataclass
 class TrainerConfig:
     """The RL loop: its length, batch, evaluation, run directory and resume."""
 
@@ -166,6 +175,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
 
 
 @dataclass
@@ -216,6 +226,10 @@ class MegatronConfig:
     # Megatron's full activation recompute (each layer keeps its input and runs again in backward): activations of
     # one layer instead of every layer, for about a third more compute (config/memory_plan.py counts both)
     recompute_activations: bool = False
+    # the policy's layers on its nodes: local (megatron-core's local spec, attention scores materialised; the CPU
+    # path), sdpa (the local spec with torch's scaled_dot_product_attention: flash / cuDNN kernels on GPUs) or
+    # transformer_engine (TE's spec; must be installed on the GPU nodes). The memory plan counts this one.
+    layer_impl: str = "local"
     # MTP layers built into the policy; null = the checkpoint's num_nextn_predict_layers.
     # The draft-loss type and weight are trainer.mtp.loss_type / loss_weight (one key per thing).
     mtp_num_layers: int | None = None
@@ -308,6 +322,22 @@ class OverlongPunishmentConfig:
 
 
 @dataclass
+class OffPolicyConfig:
+    """Correction of the policy loss for rollouts the engines sampled with other weights or kernels than the policy
+    the step starts from; the behaviour logprobs are the engine's (docs/async.md)."""
+
+    # none: the plain DAPO/PPO loss; tis: each token's loss weighted by min(pi_old / pi_engine, tis_cap); decoupled:
+    # decoupled PPO, weighted by pi_old / pi_engine (the clip is against pi_old, the proximal policy)
+    correction: str = "none"
+    # tis: the largest importance weight; larger ones are truncated to it
+    tis_cap: float = 2.0
+    # tis: token (a weight per token) or sequence (one weight per response, from the product of its tokens' ratios)
+    tis_level: str = "token"
+    # decoupled: tokens whose weight pi_old / pi_engine exceeds it are left out of the loss; null = none left out
+    decoupled_weight_cap: float | None = None
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages, the policy loss and DAPO's reward shaping."""
 
@@ -330,6 +360,7 @@ class AlgorithmConfig:
     # DAPO's overlong filtering: responses cut off at max_tokens are left out of the policy loss
     overlong_filtering: bool = False
     overlong_punishment: OverlongPunishmentConfig = field(default_factory=OverlongPunishmentConfig)
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
 
 @dataclass

@@ -14,7 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from skyrl_mtp import allowed as A
 from skyrl_mtp.config.checker import Checker
+from skyrl_mtp.config.data_files import data_file_checks, data_source_checks
+from skyrl_mtp.config.engine_kwargs import engine_kwargs_checks
+from skyrl_mtp.config.model_dir import model_dir_checks
 from skyrl_mtp.config.mtp_knob import mtp_checks
+from skyrl_mtp.config.run_dir_check import run_dir_checks
 from skyrl_mtp.errors import ConfigError, problem
 
 
@@ -108,6 +112,22 @@ def pipeline_stage_checks(c: Checker) -> None:
                                  "policy holds an equal share)")
 
 
+def async_rl_checks(c: Checker) -> None:
+    """trainer.async_rl.mode, and the settings one_step_off cannot work with or has not been tested with yet."""
+    c.choice("trainer.async_rl.mode", A.ASYNC_RL_MODES)
+    cfg = c.cfg
+    off = cfg.trainer.async_rl.mode == "one_step_off"
+    untested = "with trainer.async_rl.mode=one_step_off (that combination is not tested yet)"
+    c.check("trainer.placement.colocate", lambda v: not v,
+            "must be false with trainer.async_rl.mode=one_step_off (colocated engines sleep while the policy trains, "
+            "so generation cannot overlap training)", when=off)
+    c.check("trainer.mtp.num_speculative_tokens", lambda v: v != "auto", f"must be a fixed k {untested}",
+            when=off and bool(cfg.trainer.mtp.enabled))
+    c.check("generator.pipeline_parallel_size", lambda v: v == 1, f"must be 1 {untested}", when=off)
+    c.check("generator.model_runner", lambda v: v == "v1", f"must be 'v1' {untested}", when=off)
+    c.check("environment.name", lambda v: v == "math", f"must be 'math' {untested}", when=off)
+
+
 def validate_config(cfg: DictConfig, *, check_memory: bool = True) -> None:
     """Raise ConfigError naming every invalid key of `cfg`, once each; `check_memory`: a GPU run must also fit its
     GPUs (config/memory_plan.py; `--cfg plan` prints the plan instead)."""
@@ -158,6 +178,7 @@ def run_checks(c: Checker) -> None:
             "only 1 is supported: context parallelism is not implemented by the policy worker "
             "(scale with megatron.tp, megatron.pp and megatron.dp)")
     c.choice("megatron.dtype", A.DTYPES)
+    c.choice("megatron.layer_impl", A.LAYER_IMPLS)
     c.at_least("megatron.ep", 1)
     c.at_least("megatron.moe_aux_loss_coeff", 0.0)
     c.at_least("megatron.mtp_num_layers", 0, optional=True)
@@ -181,7 +202,8 @@ def run_checks(c: Checker) -> None:
     # only when tp and dp are the sole unknowns: a bad pp / cp is reported once, under its own key
     c.check("trainer.placement.policy_num_workers", lambda v: v == layout,
             f"must equal the policy's parallel layout megatron.tp*pp*cp*dp = {meg.tp}*{meg.pp}*{meg.cp}*{meg.dp} "
-            f"= {layout} (one worker per Megatron rank)",
+            f"= {layout} (one worker per Megatron rank): a change of the layout changes both, e.g. "
+            f"trainer.placement.policy_num_workers={layout} with megatron.tp={meg.tp}",
             when=min(meg.tp, meg.pp, meg.dp) >= 1 and meg.cp == 1
             and not c.reported("megatron.tp", "megatron.pp", "megatron.dp", "trainer.placement.policy_num_workers"))
     seqs = cfg.trainer.train_batch_size * max(cfg.generator.n_samples_per_prompt, 1)
@@ -240,6 +262,11 @@ def run_checks(c: Checker) -> None:
     c.at_least("algorithm.dynamic_sampling.max_gen_rounds", 1)
     c.at_least("algorithm.overlong_punishment.buffer_len", 1)
     c.at_least("algorithm.overlong_punishment.penalty_factor", 0.0)
+    c.choice("algorithm.off_policy.correction", A.OFF_POLICY_CORRECTIONS)
+    c.check("algorithm.off_policy.tis_cap", lambda v: v >= 1, "must be >= 1 (an on-policy token's weight is 1)")
+    c.choice("algorithm.off_policy.tis_level", A.TIS_LEVELS)
+    c.check("algorithm.off_policy.decoupled_weight_cap", lambda v: v is None or v > 1,
+            "must be > 1 (an on-policy token's weight is 1) or null (no token left out)")
 
     # model
     c.existing_path("model.path")
@@ -257,6 +284,8 @@ def run_checks(c: Checker) -> None:
         for name, allowed in spec_problems(SimpleNamespace(**{**asdict(TinyModelSpec()), **fields})):
             c.add(f"model.tiny.{name}", OmegaConf.select(cfg, f"model.tiny.{name}"), allowed)
     pipeline_stage_checks(c)
+    family = model_dir_checks(c)   # the checkpoint's (or tiny model's) family, tokenizer, MTP layers and layout
+    engine_kwargs_checks(c, family)
 
     # data
     c.choice("data.synthetic", A.SYNTHETIC_TASKS, optional=True)
@@ -274,9 +303,11 @@ def run_checks(c: Checker) -> None:
             lambda v: bool(v) and all(r in RELATION_NAMES for r in v) and len(set(v)) == len(v),
             f"a non-empty list of distinct names from {list(RELATION_NAMES)}")
     c.check("data.synthetic_search_warmstart_entities", lambda v: 0 <= v <= 20000, "an int in [0, 20000]")
+    data_file_checks(c)
 
     # environment
     c.choice("environment.name", A.ENVIRONMENTS)
+    data_source_checks(c)   # the environment and the warm start against where the prompts come from
     c.check("environment.math.timeout_s", lambda v: v > 0, "must be > 0")
     c.check("environment.search.timeout_s", lambda v: v > 0, "must be > 0")
     c.at_least("environment.search.topk", 1)
@@ -301,18 +332,20 @@ def run_checks(c: Checker) -> None:
     c.check("logger.backends", lambda v: all(b in A.LOGGER_BACKENDS for b in v),
             f"every entry must be one of {list(A.LOGGER_BACKENDS)}")
     c.choice("logger.wandb_mode", A.WANDB_MODES)
+    async_rl_checks(c)   # what trainer.async_rl.mode cannot work with (after each key's own checks)
+    run_dir_checks(c)
 
 
 def memory_problems(cfg: DictConfig) -> list[str]:
     """The memory plan's problems of a GPU run (none on CPU), or why it could not be made."""
-    from skyrl_mtp.config.memory_plan import memory_plan, on_gpu, run_hf_config, transformer_engine_for
+    from skyrl_mtp.config.memory_plan import memory_plan, on_gpu, run_hf_config
     from skyrl_mtp.models.families import ModelBuildError
 
     if not on_gpu(cfg):
         return []
     where = "model.path" if cfg.model.path is not None else "model.tiny.family"
     try:
-        plan = memory_plan(cfg, run_hf_config(cfg), transformer_engine=transformer_engine_for(cfg))
+        plan = memory_plan(cfg, run_hf_config(cfg))
     except (OSError, ValueError, ModelBuildError) as err:
         return [problem(where, OmegaConf.select(cfg, where),
                         f"a model the trainer can build: the GPU memory plan reads its config.json ({err})")]

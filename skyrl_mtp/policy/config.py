@@ -13,6 +13,7 @@ from skyrl_mtp.allowed import (
     DEFAULT_MTP_LOSS_CHUNK_SIZE,
     DRAFT_LOSS_TYPES,
     DTYPES,
+    LAYER_IMPLS,
     LR_SCHEDULES,
     MODEL_RUNNERS,
     MTP_LOSS_CHUNK_SIZE_ALLOWED,
@@ -68,9 +69,15 @@ class PolicyWorkerConfig:
     export_draft_head: bool = True  # ... and the MTP head alone (draft_head/)
     micro_batch_size: int = 4
     recompute_activations: bool = False  # Megatron full activation recompute (run key megatron.recompute_activations)
-    # the layer spec: None = Transformer Engine's where it imports on a GPU, else local; True = required (the run's
-    # memory plan counted TE's fused attention); False = local (materialised attention scores)
-    transformer_engine: bool | None = None
+    # the layers (run key megatron.layer_impl): "local" (megatron-core's local spec, materialised attention scores),
+    # "sdpa" (the local spec with torch's scaled_dot_product_attention as core attention) or "transformer_engine";
+    # the worker checks on its node that the one named is usable (megatron_common.check_layer_impl)
+    layer_impl: str = "local"
+    # GPU ranks: the Megatron optimizer's torch AdamW (Megatron's fallback without TE / apex) steps with torch's fused
+    # kernel (no fp32 temporary of every parameter); False: torch's foreach path, as Megatron builds it
+    fused_adam: bool = True
+    # GPU ranks: megatron-core's fused SwiGLU in every MLP (bias_activation_fusion); CPU ranks keep the unfused one
+    fused_swiglu: bool = True
     # colocated GPU runs: grads and optimizer state go to host memory while the engines are awake (the memory plan
     # decides: policy/megatron/device.py hand_over_to_engines)
     offload_while_engines_awake: bool = False
@@ -129,11 +136,11 @@ class PolicyWorkerConfig:
                            f"must be >= 1 with {name}={getattr(self, name)!r} (the run's planned optimizer steps)")
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"allowed: {DTYPES}")
-        for name in ("recompute_activations", "offload_while_engines_awake"):
+        for name in ("recompute_activations", "offload_while_engines_awake", "fused_adam", "fused_swiglu"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "expected True or False")
-        if self.transformer_engine not in (None, True, False):
-            raise _bad("transformer_engine", self.transformer_engine, "expected None, True or False")
+        if self.layer_impl not in LAYER_IMPLS:
+            raise _bad("layer_impl", self.layer_impl, f"allowed: {LAYER_IMPLS}")
         if not self.mtp_detach_trunk:
             raise _bad("mtp_detach_trunk", self.mtp_detach_trunk,
                        "only True is supported: the draft loss must not reach the trunk")

@@ -72,11 +72,14 @@ class MegatronPolicy(PipelinedSteps):
                 "set mtp_enabled=False or use a checkpoint with an MTP head")
         self.mtp_layers = resolve_mtp_layers(self.args, cfg.mtp_num_layers, cfg.mtp_enabled)
         self.args.family.check_parallel(self.args, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
-        # the layer spec (Transformer Engine's on a GPU where it imports, else local): one choice, for the model
-        # and for the names its weights map to
-        from skyrl_mtp.models.families.megatron_common import use_transformer_engine
+        # the layers (megatron.layer_impl), checked on this node: one choice, for the model and for the names its
+        # weights map to (only Transformer Engine's spec renames them)
+        from skyrl_mtp.models.families.megatron_common import check_layer_impl
 
-        self.transformer_engine = use_transformer_engine(cfg.transformer_engine)
+        self.device = rank_device()  # the one seam: this rank's device and collective backend
+        check_layer_impl(cfg.layer_impl, self.device.device)
+        self.transformer_engine = cfg.layer_impl == "transformer_engine"
+        self.sdpa = cfg.layer_impl == "sdpa"
         # headers only, before the expensive distributed/model setup: a mismatch fails fast
         hf = LazyHFCheckpoint(hf_path)
         self.global_rules = check_checkpoint(hf, self.args, self.mtp_layers,   # experts by global index
@@ -85,7 +88,6 @@ class MegatronPolicy(PipelinedSteps):
         self._packed_experts = hf.packed   # the export writes experts back in the checkpoint's layout
         from skyrl_mtp.mtp.native_loss_patch import disable_native_mtp_loss
 
-        self.device = rank_device()  # the one seam: this rank's device and collective backend
         init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                          tp=cfg.tp, pp=cfg.pp, seed=cfg.seed, device=self.device, listen_socket=listen_socket,
                          ep=cfg.ep)
@@ -154,7 +156,8 @@ class MegatronPolicy(PipelinedSteps):
             model = build_gpt_model(self.args, mtp_num_layers=self.mtp_layers, tp=cfg.tp, ep=cfg.ep, dtype=cfg.dtype,
                                     moe_dispatcher=self.device.moe_token_dispatcher,
                                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, recompute=cfg.recompute_activations,
-                                    transformer_engine=self.transformer_engine, pp=cfg.pp, pp_rank=self.pp_rank)
+                                    transformer_engine=self.transformer_engine, pp=cfg.pp, pp_rank=self.pp_rank,
+                                    sdpa=self.sdpa, fused_swiglu=cfg.fused_swiglu and self.device.is_cuda)
         out = getattr(model, "output_layer", None)
         if cfg.pp > 1 and out is not None and not self.args.tie_word_embeddings:
             for flag in ("shared", "shared_embedding"):
@@ -175,7 +178,7 @@ class MegatronPolicy(PipelinedSteps):
             from skyrl_mtp.policy.megatron.distributed_optimizer import build_megatron_side_optimizers
 
             return build_megatron_side_optimizers(self.model, self.policy_params, head_params, policy_kw=pkw,
-                                                  head_kw=hkw)
+                                                  head_kw=hkw, fused_adam=cfg.fused_adam)
         groups = dict(dp_group=self.dp_group, tp_group=self.tp_group, ep_group=self.ep_group,
                       expert_dp_group=self.expert_dp_group)
         head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
@@ -247,10 +250,12 @@ class MegatronPolicy(PipelinedSteps):
         if name == "sft":
             loss = -(lp * mb["loss_mask"].to(lp.dtype)).sum() / counts["tokens"]
             return loss, {}
-        from skyrl_mtp.algorithms.policy_loss import dapo_policy_loss
+        from skyrl_mtp.algorithms.off_policy import corrected_policy_loss
 
-        loss, metrics = dapo_policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                                         global_num_tokens=counts["tokens"], **kw)
+        # DAPO's loss; with an off-policy correction in `kw`, weighted by the engine's behaviour logprobs
+        loss, metrics = corrected_policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
+                                              behaviour_logprobs=mb.get("behaviour_logprobs"),
+                                              global_num_tokens=counts["tokens"], **kw)
         if kw.get("loss_reduction", "token_mean") != "token_mean":
             # per-sequence reductions average over the micro-batch's sequences: rescale to the global count
             loss = loss * (float(_sequences_with_tokens(mb["loss_mask"])) / counts["sequences"])
@@ -317,6 +322,9 @@ class MegatronPolicy(PipelinedSteps):
                     key = k if "/" in k else f"policy/{k}"
                     fn_metrics[key] = fn_metrics.get(key, 0.0) + float(v) * weight
                 if not head_on:
+                    # nothing else reads this micro-batch's logits: free them now, not when the next micro-batch
+                    # (or, after the last, the optimizer step) rebinds the name ([tokens, vocab] in the model dtype)
+                    del logits, lp
                     if self.capture is not None:
                         self.capture.clear()
                     continue

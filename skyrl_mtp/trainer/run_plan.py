@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from skyrl_mtp.config.memory_plan import MemoryPlan, run_memory_plan, transformer_engine_for
+from skyrl_mtp.config.memory_plan import MemoryPlan, run_memory_plan
 from skyrl_mtp.config.mtp_knob import (  # noqa: F401 - the derived MTP settings, part of the plan's vocabulary
     adaptive_speculation,
     max_speculative_tokens,
@@ -59,17 +59,17 @@ def policy_worker_config(cfg: DictConfig, memory: MemoryPlan | None = None):
         lr_decay_steps=int(cfg.trainer.total_steps) * updates_per_step(cfg),
         export_hf=bool(cfg.trainer.checkpoint.export_hf), export_draft_head=bool(cfg.trainer.checkpoint.export_draft_head),
         micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype),
-        recompute_activations=bool(m.recompute_activations), **_gpu_policy_fields(cfg, memory))
+        recompute_activations=bool(m.recompute_activations), layer_impl=str(m.layer_impl),
+        **_gpu_policy_fields(cfg, memory))
 
 
 def _gpu_policy_fields(cfg: DictConfig, memory: MemoryPlan | None) -> dict[str, Any]:
-    """What the memory plan decides for the policy on GPUs (nothing on CPU): the layer spec it counted and whether
-    grads and optimizer state leave the GPU while colocated engines are awake."""
+    """What the memory plan decides for the policy on GPUs (nothing on CPU): whether grads and optimizer state leave
+    the GPU while colocated engines are awake."""
     plan = run_memory_plan(cfg) if memory is None else memory
     if plan is None or plan.device != "gpu":
         return {}
-    return {"transformer_engine": transformer_engine_for(cfg),
-            "offload_while_engines_awake": plan.offload_while_engines_awake}
+    return {"offload_while_engines_awake": plan.offload_while_engines_awake}
 
 
 def warm_start_worker_config(cfg: DictConfig):
@@ -188,6 +188,7 @@ class LoopConfig:
     # with head_max_depths: the share of each step's time allowed for keeping an idle head aligned
     idle_head_train_budget: float = 1.0
     num_engines: int = 1             # engines run side by side (their drafting savings are averaged)
+    async_mode: str = "sync"         # trainer.async_rl.mode: "sync" or "one_step_off"
 
 
 def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -195,9 +196,15 @@ def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
     low = float(algo.eps_clip_low)
     # PPO's clip is DAPO's with a symmetric range
     high = low if algo.policy_loss_type == "ppo" else float(algo.eps_clip_high)
-    return {"eps_clip_low": low, "eps_clip_high": high,
-            "dual_clip_c": None if algo.dual_clip_c is None else float(algo.dual_clip_c),
-            "loss_reduction": str(algo.loss_reduction)}
+    kwargs = {"eps_clip_low": low, "eps_clip_high": high,
+              "dual_clip_c": None if algo.dual_clip_c is None else float(algo.dual_clip_c),
+              "loss_reduction": str(algo.loss_reduction)}
+    op = algo.off_policy
+    if op.correction != "none":   # the worker weights the loss by the correction (algorithms/off_policy.py)
+        kwargs.update(off_policy_correction=str(op.correction), tis_cap=float(op.tis_cap),
+                      tis_level=str(op.tis_level),
+                      decoupled_weight_cap=None if op.decoupled_weight_cap is None else float(op.decoupled_weight_cap))
+    return kwargs
 
 
 def loop_config(cfg: DictConfig) -> LoopConfig:
@@ -218,7 +225,7 @@ def loop_config(cfg: DictConfig) -> LoopConfig:
         keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
         run_dir=str(t.run_dir), head_max_depths=head_max_depths,
         idle_head_train_budget=float(t.mtp.idle_head_train_budget) if head_max_depths is not None else 1.0,
-        num_engines=int(cfg.generator.num_engines))
+        num_engines=int(cfg.generator.num_engines), async_mode=str(t.async_rl.mode))
 
 
 def head_depths_follow_engines(cfg: DictConfig) -> int | None:

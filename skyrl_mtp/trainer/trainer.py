@@ -1,5 +1,8 @@
 """The RL step loop: generate -> reward -> dynamic sampling -> GRPO -> DAPO + draft loss -> sync -> log -> checkpoint.
 
+With trainer.async_rl.mode=one_step_off the next step's batch is generated in the background (prefetch.py) with
+the weights from before this step's update while this step trains; the loop waits for it before the sync.
+
 `RLTrainer` owns the engines (an `EngineClient`), the policy (a `PolicyGroup` of Megatron
 workers), an `Environment`, the run directory and the tracker. Everything it computes itself
 is delegated to pure functions (advantages, overlong shaping, dynamic sampling, batch building)
@@ -25,6 +28,7 @@ from skyrl_mtp.errors import EngineDiedError, NonFiniteMetricError
 from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit, depths_to_train
 from skyrl_mtp.rollout.sampling import SamplingSpec
 from skyrl_mtp.trainer.finite_guard import check_update_metrics
+from skyrl_mtp.trainer.prefetch import GeneratedBatch, RolloutPrefetch, load_pending, save_pending
 from skyrl_mtp.trainer.run_dir import RunDir, read_trainer_state
 from skyrl_mtp.trainer.run_plan import LoopConfig
 from skyrl_mtp.trainer.step_timer import StepTimer
@@ -77,6 +81,11 @@ class RLTrainer:
         # auto k: whether the head trains on a step (what its drafts saved and an allowance for keeping it
         # aligned, vs what its training costs)
         self.head_credit = HeadTrainingCredit(loop.idle_head_train_budget)
+        # one_step_off: the next step's batch, generated while this step trains (None in sync mode)
+        self.prefetch = RolloutPrefetch() if loop.async_mode == "one_step_off" else None
+        self.pending: GeneratedBatch | None = None   # a batch generated for the next step (prefetched or resumed)
+        # the off-policy correction reads the engine's logprobs of the sampled tokens (the behaviour policy's)
+        self.keep_behaviour_logprobs = "off_policy_correction" in self.loss_kwargs
 
     # ------------------------------------------------------------------ lifecycle
     def resume_if_possible(self) -> int:
@@ -90,6 +99,7 @@ class RLTrainer:
         if "head_credit" in state:   # checkpoints written before it was saved start the credit afresh
             self.head_credit.load_state_dict(state["head_credit"])
         self.step = int(state["step"])
+        self.pending = load_pending(latest)   # one_step_off: the batch generated before the checkpoint's update
         self.log(f"resumed from {latest} (step {self.step})")
         return self.step
 
@@ -121,13 +131,16 @@ class RLTrainer:
                 if bar is not None:
                     bar.update(1)
         finally:
+            if self.prefetch is not None:
+                self.prefetch.close()
             self.log = log
             if bar is not None:
                 bar.close()
         return history
 
     # ------------------------------------------------------------------ one step
-    def _generate(self, timer: StepTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
+    def _generate(self, timer: StepTimer, step_index: int) -> tuple[list[RolloutGroup], dict[str, float]]:
+        """The batch of step `step_index + 1` (its seeds follow from the step, not from when it is generated)."""
         loop = self.loop
         n = loop.n_samples_per_prompt
         target = self.data.batch_size
@@ -140,8 +153,8 @@ class RLTrainer:
         try:
             while not acc.done:
                 examples = self.data.next_batch()
-                spec = sampling_spec(loop.sampling, self.stop_ids, step_seed(loop.seed, self.step, acc.rounds_used))
-                groups, m = self._rollout(examples, spec, n)
+                spec = sampling_spec(loop.sampling, self.stop_ids, step_seed(loop.seed, step_index, acc.rounds_used))
+                groups, m = self._rollout(examples, spec, n, step_index)
                 window.pause()
                 with timer.phase("reward"):
                     m.update(self.env.score(groups))
@@ -169,11 +182,11 @@ class RLTrainer:
         kept = kept[: max(len(kept) // dp, 1) * dp] if len(kept) >= dp else kept
         return kept, metrics
 
-    def _rollout(self, examples, spec, n):
+    def _rollout(self, examples, spec, n, step_index: int, phase: str = "train"):
         import ray
 
-        if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(self.step + 1):   # failure-path tests only
-            self.log(f"fault injection: killing inference engine 0 before step {self.step + 1}")
+        if phase == "train" and os.environ.get(FAULT_KILL_ENGINE_ENV) == str(step_index + 1):   # failure-path tests
+            self.log(f"fault injection: killing inference engine 0 before step {step_index + 1}")
             ray.kill(self.engines.actors[0])
         try:
             return self.env.generate(examples, spec, n)
@@ -182,8 +195,10 @@ class RLTrainer:
             dead = getattr(err, "actor_id", None)
             ids = [a._actor_id.hex() for a in self.engines.actors]
             which = f"inference engine {ids.index(dead)} (actor {dead})" if dead in ids else "an inference engine"
+            where = (f"the rollout of step {step_index + 1}" if phase == "train" else
+                     f"the eval rollout after step {step_index}")
             raise EngineDiedError(
-                f"{which} died during the rollout of step {self.step + 1} ({type(err).__name__}); the last "
+                f"{which} died during {where} ({type(err).__name__}); the last "
                 f"complete checkpoint is {latest if latest else 'none (no checkpoint written yet)'} and was not "
                 "modified; rerun with trainer.resume=auto to continue from it") from err
 
@@ -213,10 +228,60 @@ class RLTrainer:
                                              None if masks is None else masks[sl]))
         return batches
 
-    def train_step(self) -> dict[str, float]:
+    def _take_batch(self, timer: StepTimer) -> GeneratedBatch:
+        """This step's batch: the one generated for it ahead (prefetched, or held by the checkpoint resumed
+        from), else generated now with the engines' current weights."""
+        if self.pending is not None:
+            batch, self.pending = self.pending, None
+            if batch.step != self.step + 1:
+                raise RuntimeError(f"the batch generated ahead is for step {batch.step}, not step {self.step + 1}")
+            return batch
+        with timer.phase("generate"):
+            groups, metrics = self._generate(timer, self.step)
+        return GeneratedBatch(self.step + 1, self.step, groups, metrics)
+
+    def _background_batch(self, step_index: int, version: int) -> GeneratedBatch:
         timer = StepTimer(self.clock)
         with timer.phase("generate"):
-            groups, metrics = self._generate(timer)
+            groups, metrics = self._generate(timer, step_index)
+        return GeneratedBatch(step_index + 1, version, groups, metrics, dict(timer.totals))
+
+    def _start_prefetch(self) -> None:
+        """one_step_off: generate the next step's batch with the engines' weights (this step's are not trained
+        yet) while this step trains; the last step prefetches nothing."""
+        if self.prefetch is None or self.step + 1 >= self.loop.total_steps:
+            return
+        step_index, version = self.step + 1, self.step
+        self.prefetch.start(lambda: self._background_batch(step_index, version))
+
+    def _finish_prefetch(self, timer: StepTimer, metrics: dict[str, float]) -> None:
+        """Wait for the prefetched batch (before the sync: no weight changes under a running request)."""
+        if self.prefetch is None or not self.prefetch.running:
+            return
+        with timer.phase("wait_rollout"):
+            self.pending = self.prefetch.wait()
+        background = sum(self.pending.seconds.values())
+        metrics.update({f"timing/background/{k}_s": round(v, 4) for k, v in self.pending.seconds.items()})
+        # the next batch's generation time the trainer did not wait for (timing/wait_rollout_s): it ran while
+        # this step trained
+        metrics["timing/overlap_s"] = round(max(background - timer.totals["wait_rollout"], 0.0), 4)
+
+    def train_step(self) -> dict[str, float]:
+        timer = StepTimer(self.clock)
+        batch = self._take_batch(timer)
+        groups, metrics = batch.groups, batch.metrics
+        if self.prefetch is not None:
+            staleness = float(self.step - batch.version)   # policy updates between generating and training it
+            metrics["async/staleness_mean"] = metrics["async/staleness_max"] = staleness
+        self._start_prefetch()
+        try:
+            return self._train_on(groups, metrics, timer)
+        except BaseException:
+            if self.prefetch is not None:
+                self.prefetch.drain()   # no request left running on the engines behind the error
+            raise
+
+    def _train_on(self, groups: list[RolloutGroup], metrics: dict[str, float], timer: StepTimer) -> dict[str, float]:
         if self.weight_sync is not None and self.weight_sync.colocate:
             with timer.phase("engine_sleep"):
                 self.weight_sync.release_engines()   # colocated: the policy gets the GPUs back
@@ -229,7 +294,9 @@ class RLTrainer:
                 mask = b["loss_mask"] > 0
                 diffs += float((b["old_logprobs"] - b["rollout_logprobs"]).abs()[mask].sum())
                 n_tok += float(mask.sum())
-                b.pop("rollout_logprobs")
+                behaviour = b.pop("rollout_logprobs")
+                if self.keep_behaviour_logprobs:
+                    b["behaviour_logprobs"] = behaviour
         metrics["rollout/logprob_abs_diff"] = diffs / max(n_tok, 1.0)
         metrics["rollout/response_length_mean"] = sum(
             len(r.response_ids) for g in groups for r in g.rollouts) / max(sum(len(g.rollouts) for g in groups), 1)
@@ -257,6 +324,7 @@ class RLTrainer:
             metrics["train/head_seconds"] = sum(p.get("mtp/train_seconds", 0.0) for p in parts)
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
+        self._finish_prefetch(timer, metrics)
         with timer.phase("sync"):
             metrics.update(self.sync_weights(head_changed=head.get("train_head", True)))
         if "train_head" in head:
@@ -278,6 +346,10 @@ class RLTrainer:
             with timer.phase("checkpoint"):
                 self.save_checkpoint()
         metrics.update(timer.metrics())
+        if "timing/overlap_s" in metrics:   # one_step_off: the part of the step the engines had nothing to do
+            busy = sum(v for k, v in metrics.items() if k.startswith("timing/background/"))
+            busy += metrics.get("timing/generate_s", 0.0) + metrics.get("timing/reward_s", 0.0)   # its own batch
+            metrics["timing/engines_idle_s"] = round(max(metrics["timing/step_s"] - busy, 0.0), 4)
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         self.tracker.log(numeric, step=self.step)
         return {"step": self.step, **numeric}
@@ -301,7 +373,7 @@ class RLTrainer:
         window = self.engines.metrics
         window.start("eval")
         try:
-            groups, m = self._rollout(self.val_examples, spec, 1)
+            groups, m = self._rollout(self.val_examples, spec, 1, self.step, phase="eval")
             window.pause()
             m.update(self.env.score(groups))
         finally:
@@ -311,6 +383,8 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         staging = self.run_dir.staging_dir(self.step)
         self.policy.save_checkpoint(str(staging))
+        if self.pending is not None:   # one_step_off: the next step's batch, generated before this update
+            save_pending(staging, self.pending)
         state = {"step": self.step, "data": self.data.state_dict(), "head_credit": self.head_credit.state_dict()}
         path = self.run_dir.commit(staging, self.step, state, self.loop.keep_last)
         self.log(f"checkpoint: {path}")

@@ -20,7 +20,8 @@ def run_scenario(_idx, scenario, device, ckpt, cfg_kwargs, batches, out_path):
     from skyrl_mtp.policy.megatron_policy import MegatronPolicy, reproducible_metrics
 
     pol = MegatronPolicy(PolicyWorkerConfig(**cfg_kwargs), ckpt, 0, 1, "127.0.0.1", free_port())
-    res = {"device": str(pol.device.device), "side": type(pol.policy_side).__name__}
+    res = {"device": str(pol.device.device), "side": type(pol.policy_side).__name__,
+           "adam_fused": bool(getattr(pol.policy_side, "torch_adam_fused", False))}
     if scenario == "logprobs":
         res["logprobs"] = pol.compute_logprobs(batches[0])
     elif scenario == "train":

@@ -145,7 +145,7 @@ class Glm4MoeFamily(ModelFamily):
     def build_model(self, args: Glm4MoeArgs, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
                     recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1,
-                    pp_rank: int = 0):
+                    pp_rank: int = 0, sdpa: bool = False):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_decoder_block_spec,
@@ -162,7 +162,7 @@ class Glm4MoeFamily(ModelFamily):
                                     recompute=recompute)
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         te = use_transformer_engine(transformer_engine)   # TE's core attention only: the weights keep local names
-        set_core_attention(block.layer_specs, te)
+        set_core_attention(block.layer_specs, te, sdpa=sdpa)
         mtp_spec = None
         if mtp_num_layers:
             kinds = {args.moe.is_moe_layer(args.num_layers + j) for j in range(mtp_num_layers)}
@@ -170,7 +170,7 @@ class Glm4MoeFamily(ModelFamily):
                 raise ModelBuildError(f"mtp_num_layers={mtp_num_layers}: the MTP layers mix dense and MoE blocks")
             layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if kinds == {True} else None,
                                              qk_layernorm=args.qk_norm, normalization="RMSNorm")
-            set_core_attention([layer], te)
+            set_core_attention([layer], te, sdpa=sdpa)
             mtp_spec = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
         model = GPTModel(
             config=config, transformer_layer_spec=block, vocab_size=args.vocab_size,

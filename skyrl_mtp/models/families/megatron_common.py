@@ -1,7 +1,9 @@
 """Megatron settings every family shares: CPU-safe (no fused kernels, no dropout), dtype and TP checks, activation
-recompute, and the one choice of layer spec: Transformer Engine's where it imports on a GPU, else megatron-core's
-local one (the CPU path). The local spec's attention materialises the [B, heads, S, S] scores (about 13 GB per layer
-at micro-batch 2, 16 heads per rank, S=10240); Transformer Engine's fused / flash attention never does."""
+recompute, and the one choice of layer implementation (``megatron.layer_impl``, checked on the node by
+``check_layer_impl``): megatron-core's local spec (the CPU path), the local spec with torch's SDPA as its core
+attention (sdpa_attention.py), or Transformer Engine's. The local spec's attention materialises the [B, heads, S, S]
+scores (about 13 GB per layer at micro-batch 2, 16 heads per rank, S=10240); SDPA's flash / memory-efficient kernels
+on GPUs and Transformer Engine's never do."""
 
 from __future__ import annotations
 
@@ -42,14 +44,6 @@ def mtp_inner_layer_name() -> str:
     return mtp_inner_layer_name_from_fields(f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules))
 
 
-def transformer_engine_installed() -> bool:
-    """Transformer Engine is installed here (no import, no GPU needed): what a driver assumes of its GPU workers,
-    which run the same image (the memory plan counts the attention they will build)."""
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def transformer_engine_available() -> bool:
     """Transformer Engine imports, megatron-core's TE extension with it, and a GPU is present."""
     if not torch.cuda.is_available():
@@ -75,13 +69,40 @@ def use_transformer_engine(requested: bool | None = None) -> bool:
     return bool(requested)
 
 
-def set_core_attention(layer_specs, transformer_engine: bool, local=None) -> None:
+def check_layer_impl(layer_impl: str, device: torch.device | str = "cpu") -> None:
+    """On the policy's node, before its model is built: the layer implementation ``megatron.layer_impl`` names is
+    usable here (Transformer Engine imports with megatron-core's TE extension and a GPU; torch's SDPA runs as the
+    core attention calls it). Raises naming the key, the value and what is allowed."""
+    from skyrl_mtp.allowed import LAYER_IMPLS
+
+    if layer_impl not in LAYER_IMPLS:
+        raise ModelBuildError(f"megatron.layer_impl={layer_impl!r} is invalid; allowed: {LAYER_IMPLS}")
+    if layer_impl == "transformer_engine" and not transformer_engine_available():
+        raise ModelBuildError("megatron.layer_impl='transformer_engine' is invalid on this node: Transformer Engine "
+                              "(with megatron-core's TE extension) does not import here, or there is no GPU; "
+                              "allowed: sdpa or local, or install transformer_engine on the policy nodes")
+    if layer_impl == "sdpa":
+        from skyrl_mtp.models.families.sdpa_attention import check_sdpa_usable
+
+        check_sdpa_usable(device)
+
+
+def set_core_attention(layer_specs, transformer_engine: bool, local=None, sdpa: bool = False) -> None:
     """Every layer spec's core attention: Transformer Engine's fused / flash one (no parameters: the weight names
-    stay the local spec's), else ``local`` (None: keep the spec's own)."""
+    stay the local spec's); with ``sdpa`` torch's scaled_dot_product_attention in the local module's place
+    (sdpa_attention.py; ``local``, or megatron-core's DotProductAttention, is its base); else ``local`` (None: keep
+    the spec's own)."""
+    if transformer_engine and sdpa:
+        raise ModelBuildError("transformer_engine=True and sdpa=True: one core attention per model "
+                              "(megatron.layer_impl picks one)")
     if transformer_engine:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         local = TEDotProductAttention
+    elif sdpa:
+        from skyrl_mtp.models.families.sdpa_attention import sdpa_core_attention
+
+        local = sdpa_core_attention(local)
     if local is None:
         return
     for spec in layer_specs:   # (specs may be shared objects: setting twice is harmless)

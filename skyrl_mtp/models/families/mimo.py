@@ -34,6 +34,7 @@ from skyrl_mtp.models.families.megatron_common import (
     pipeline_stage_flags,
     rename_for_transformer_engine,
     rope_base,
+    set_core_attention,
     transformer_engine_available,
     use_transformer_engine,
 )
@@ -124,7 +125,8 @@ class MiMoFamily(ModelFamily):
 
     def build_model(self, args: HFModelArgs, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
-                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0,
+                    sdpa: bool = False):
         self.check_parallel(args, tp=tp, ep=ep, pp=pp)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -139,6 +141,8 @@ class MiMoFamily(ModelFamily):
                                     pp=pp)
         # TE: fused RMSNorm + linear, fused / flash causal attention; local: the CPU path (materialised scores)
         layer_spec = get_gpt_layer_with_transformer_engine_spec() if te else get_gpt_layer_local_spec(normalization="RMSNorm")
+        if sdpa:   # the MTP layer's spec below is built from this one: it gets the same core attention
+            set_core_attention([layer_spec], te, sdpa=True)
         mtp_spec = None
         if mtp_num_layers > 0:   # None on every stage but the last (megatron-core places MTP there)
             mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te, pp_rank=pp_rank)

@@ -43,6 +43,7 @@ from skyrl_mtp.models.families.megatron_common import (
     mtp_inner_layer_name,
     pipeline_stage_flags,
     rope_base,
+    set_core_attention,
     use_transformer_engine,
 )
 
@@ -215,7 +216,8 @@ class Qwen35Family(ModelFamily):
 
     def build_model(self, args: Qwen35Args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
-                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+                    recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0,
+                    sdpa: bool = False):
         self.check_parallel(args, tp=tp, ep=ep, pp=pp)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
@@ -237,6 +239,8 @@ class Qwen35Family(ModelFamily):
                                     **self._extra_config(args, ep=ep, moe_dispatcher=moe_dispatcher,
                                                          moe_aux_loss_coeff=moe_aux_loss_coeff))
         gdn, attn, backend = self._layer_specs(config, use_transformer_engine(transformer_engine))
+        if sdpa:   # the full-attention layers (and the MTP layer, built from the same spec)
+            set_core_attention([attn], False, sdpa=True)
         # this stage's layers (a block given its layer specs builds exactly those, numbered from the stage offset)
         first = get_transformer_layer_offset(config, vp_stage=None, pp_rank=pp_rank)
         types = args.layer_types[first:first + get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)]

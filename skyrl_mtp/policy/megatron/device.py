@@ -100,17 +100,38 @@ def rank_device() -> RankDevice:
     return dev
 
 
+def release_attention_buffer() -> bool:
+    """Drop the tensors of megatron-core's global memory buffer (parallel_state.get_global_memory_buffer(): the local
+    DotProductAttention's raw [b x heads, S, S] scores, "mpu"), which it otherwise keeps for the process's life;
+    ``GlobalMemoryBuffer.get_tensor`` allocates them again at the next forward. True when it held any."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    buf = parallel_state.get_global_memory_buffer()
+    held = getattr(buf, "buffer", None)
+    if not isinstance(held, dict):
+        raise RuntimeError(f"megatron-core's GlobalMemoryBuffer has no dict `buffer` (got {type(held).__name__}): "
+                           "policy/megatron/device.py release_attention_buffer must be updated")
+    had = bool(held)
+    held.clear()
+    return had
+
+
 def hand_over_to_engines(dev: RankDevice, sides: list, *, offload: bool) -> list[str]:
     """After training, before colocated engines wake on this GPU: with `offload` (the memory plan's choice) each
-    optimizer side moves its grads and optimizer state to host memory (``offload_to_host``); then the caching
-    allocator's free blocks go back to the driver (``torch.cuda.empty_cache``) so the engines can map them. Returns
-    what was done, in order; on the CPU both are no-ops (nothing is listed but what ran)."""
+    optimizer side moves its grads and optimizer state to host memory (``offload_to_host``); the local attention's
+    score buffer is dropped (``release_attention_buffer``); then the caching allocator's free blocks go back to the
+    driver (``torch.cuda.empty_cache``) so the engines can map them. Returns what was done, in order; on the CPU all
+    are no-ops (nothing is listed but what ran)."""
     done = []
     if offload and dev.is_cuda:
         for side in sides:
             side.offload_to_host()
             done.append(f"offload {side.name}")
     if dev.is_cuda:
+        if release_attention_buffer():
+            done.append("release attention buffer")
         torch.cuda.empty_cache()
         done.append("empty_cache")
     return done

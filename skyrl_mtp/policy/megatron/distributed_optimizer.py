@@ -87,6 +87,34 @@ def ddp_buffer_params(ddp) -> set[torch.nn.Parameter]:
     return out
 
 
+FUSED_ADAM_GROUP_KEYS = ("fused", "foreach", "differentiable", "capturable")
+
+
+def fuse_torch_adam(opt: torch.optim.Optimizer) -> bool:
+    """Switch a torch Adam / AdamW that megatron-core built to torch's fused kernel; returns whether it did.
+
+    Without Transformer Engine or apex megatron-core falls back to ``torch.optim.AdamW`` with ``foreach`` left to
+    torch (megatron/core/optimizer/__init__.py, ``USING_PYTORCH_OPTIMIZER``), and torch's foreach step allocates an
+    fp32 temporary of every parameter of the group at once (torch/optim/adam.py ``_multi_tensor_adam``:
+    ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)``) besides making several passes over the state.
+    The fused step (``_fused_adam``: ``torch._fused_adamw_``) is the same update in one kernel per group, with no
+    temporary. The group flags are what torch's constructor sets for ``fused=True``; TE's / apex's FusedAdam (fused
+    already) are left alone."""
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
+        return False
+    for group in opt.param_groups:
+        missing = [k for k in FUSED_ADAM_GROUP_KEYS if k not in group]
+        if missing:
+            raise MegatronOptimizerError(f"torch {type(opt).__name__}'s param groups lack {missing}: this torch "
+                                         "moved its fused / foreach flags; update fuse_torch_adam")
+        if group["differentiable"]:
+            return False
+    for group in opt.param_groups:
+        group["foreach"], group["fused"] = False, True
+    opt._step_supports_amp_scaling = True   # what Adam.__init__ sets with fused=True (GradScaler's contract)
+    return True
+
+
 def _device_scope(params: list[torch.nn.Parameter]):
     """The context every Megatron DDP / optimizer call of a side runs in: none on GPU, the CPU emulation
     (``cpu_shim.megatron_optimizer_on_cpu``) when the side's parameters are CPU tensors."""
@@ -106,7 +134,7 @@ class MegatronSideOptimizer:
 
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, params: list[torch.nn.Parameter],
                  others: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
-                 grad_clip: float, distributed: bool = True):
+                 grad_clip: float, distributed: bool = True, fused_adam: bool = True):
         from megatron.core import optimizer as mopt
 
         for name in ("get_megatron_optimizer", "OptimizerConfig"):
@@ -133,6 +161,10 @@ class MegatronSideOptimizer:
                                          f"{' and expert-parallel params' if experts else ''}), got {len(inner)}")
         # the DistributedOptimizers (FP32Optimizers when not distributed): dense, then expert-parallel
         self.inner = list(inner)
+        # GPU ranks: torch's fused AdamW where megatron-core fell back to torch's (CPU ranks keep what they had)
+        on_gpu = all(p.device.type == "cuda" for p in params)
+        fused = [fuse_torch_adam(o.optimizer) for o in self.inner] if fused_adam and on_gpu else []
+        self.torch_adam_fused = bool(fused) and all(fused)   # False: as megatron-core built it
 
     def zero_grad(self) -> None:
         with self._scope():
@@ -228,7 +260,8 @@ class ParamGroupsView(torch.optim.Optimizer):
 
 
 def _unshare_adam_steps(opt: torch.optim.Optimizer) -> None:
-    """One ``step`` tensor per parameter state again after a load.
+    """One ``step`` tensor per parameter state again after a load (on the parameter's device in float32 where the
+    group steps fused: torch's fused kernel reads it there, torch/optim/adam.py ``_init_group``).
 
     megatron-core 0.16.1 ``DistributedOptimizer.load_state_dict`` (torch-optimizer branch, i.e. without TE or
     Apex, as in this project) assigns the *same* ``step`` tensor to every parameter's state; torch's AdamW
@@ -241,6 +274,13 @@ def _unshare_adam_steps(opt: torch.optim.Optimizer) -> None:
             if id(step) in seen:
                 state["step"] = step.clone()
             seen.add(id(state["step"]))
+    for group in opt.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            step = opt.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                opt.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def _snapshot_param_state(state: dict) -> dict:
@@ -263,11 +303,13 @@ def _snapshot_param_state(state: dict) -> dict:
 
 
 def build_megatron_side_optimizers(model: torch.nn.Module, policy_params, head_params, *, policy_kw: dict,
-                                   head_kw: dict | None, distributed: bool = True):
-    """(policy side, head side or None). ``*_kw``: lr, weight_decay, betas, eps, grad_clip."""
-    policy = MegatronSideOptimizer(model, model, policy_params, head_params, distributed=distributed, **policy_kw)
+                                   head_kw: dict | None, distributed: bool = True, fused_adam: bool = True):
+    """(policy side, head side or None). ``*_kw``: lr, weight_decay, betas, eps, grad_clip; ``fused_adam``: torch's
+    fused AdamW on GPU ranks (``fuse_torch_adam``)."""
+    policy = MegatronSideOptimizer(model, model, policy_params, head_params, distributed=distributed,
+                                   fused_adam=fused_adam, **policy_kw)
     head = None
     if head_params:
         head = MegatronSideOptimizer(model, model.mtp, head_params, policy_params, distributed=distributed,
-                                     **head_kw)
+                                     fused_adam=fused_adam, **head_kw)
     return policy, head

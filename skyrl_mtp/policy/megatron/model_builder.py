@@ -49,14 +49,16 @@ def resolve_mtp_layers(args, requested: int | None, mtp_enabled: bool = True) ->
 
 def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
                     moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
-                    transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+                    transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0, sdpa: bool = False,
+                    fused_swiglu: bool = False):
     """The family's GPTModel for ``args`` (pipeline stage ``pp_rank`` of ``pp``); model-parallel state must
     already be initialised. The built TransformerConfig is checked for the recompute asked (a family that dropped
     it would fail here, not by OOM)."""
     family: ModelFamily = args.family
     model = family.build_model(args, mtp_num_layers=mtp_num_layers, tp=tp, ep=ep, dtype=dtype,
                                moe_dispatcher=moe_dispatcher, moe_aux_loss_coeff=moe_aux_loss_coeff,
-                               recompute=recompute, transformer_engine=transformer_engine, pp=pp, pp_rank=pp_rank)
+                               recompute=recompute, transformer_engine=transformer_engine, pp=pp, pp_rank=pp_rank,
+                               sdpa=sdpa)
     built = (getattr(model.config, "recompute_granularity", None), getattr(model.config, "recompute_method", None),
              getattr(model.config, "recompute_num_layers", None))
     want = ("full", "uniform", 1) if recompute else (None, None, None)
@@ -64,10 +66,36 @@ def build_gpt_model(args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtyp
         raise ModelBuildError(f"the {family.name} model was built with recompute (granularity, method, layers) = "
                               f"{built}, expected {want} for recompute={recompute}")
     keep_router_state_fp32(model)
+    if fused_swiglu:
+        enable_fused_swiglu(model)
     if mtp_num_layers or getattr(model.config, "num_moe_experts", None):
         reset_aux_loss_tracker()
     object.__setattr__(model, FAMILY_ATTR, family)  # a plain attribute, not a submodule / parameter
     return model
+
+
+def enable_fused_swiglu(model) -> int:
+    """megatron-core's fused SwiGLU in every MLP of ``model`` (its ``bias_activation_fusion``, which the families build
+    off, the CPU-safe choice): MLP.forward then runs ``bias_swiglu_impl`` (fusions/fused_bias_swiglu.py, a compiled
+    kernel that saves only the MLP's input) instead of silu(gate) * up (which also keeps silu(gate)). The flag is read
+    at each forward, on each MLP's config; every one must be a SwiGLU. Returns how many MLPs were switched."""
+    import inspect
+
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+
+    if "bias_swiglu_impl" not in inspect.getsource(MLP.forward):
+        raise ModelBuildError("megatron-core's MLP.forward no longer calls bias_swiglu_impl under "
+                              "bias_activation_fusion: policy/megatron/model_builder.py enable_fused_swiglu must be "
+                              "updated")
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    for m in mlps:
+        if m.config.activation_func is not F.silu or not m.config.gated_linear_unit:
+            raise ModelBuildError(f"fused_swiglu=True is invalid for this model: an MLP has activation "
+                                  f"{m.config.activation_func} (gated: {m.config.gated_linear_unit}); allowed: SwiGLU")
+    for m in mlps:
+        m.config.bias_activation_fusion = True
+    return len(mlps)
 
 
 def reset_aux_loss_tracker() -> None:

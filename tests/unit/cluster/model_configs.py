@@ -96,6 +96,11 @@ FOR_RECIPE = {"mimo7b_dapo": MIMO_7B, "mimo7b_searchr1": MIMO_7B, "qwen3_5_9b_da
 
 
 def write_config(directory: Path, cfg: dict) -> Path:
+    """A stand-in checkpoint: `cfg` as config.json, with the files validation looks for (tokenizer files with a
+    chat template, a weights file) present but empty of content."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg))
+    (directory / "tokenizer.json").write_text("{}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    (directory / "model.safetensors").touch()
     return directory

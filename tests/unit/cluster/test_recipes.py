@@ -3,6 +3,7 @@ hardware their comments promise and fail clearly on less; left-over placeholders
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,11 @@ def _placeholders(node, key=""):
         yield key
 
 
+# a data row in both layouts at once (DAPO-Math: prompt + reward_model; Search-R1: question + golden_answers)
+DATA_ROW = {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"},
+            "question": "1+1?", "golden_answers": ["2"]}
+
+
 def user_overrides(recipe: str, tmp: Path) -> list[str]:
     """What a user passes: a checkpoint dir for model.path, existing files for file lists, a retriever."""
     raw = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text())
@@ -38,8 +44,8 @@ def user_overrides(recipe: str, tmp: Path) -> list[str]:
             overrides.append(f"model.path={write_config(tmp / 'ckpt', FOR_RECIPE[recipe])}")
         elif "[" in key:
             base = key.split("[")[0]
-            path = tmp / f"{base.replace('.', '_')}_{len(lists.get(base, []))}.parquet"
-            path.touch()
+            path = tmp / f"{base.replace('.', '_')}_{len(lists.get(base, []))}.jsonl"
+            path.write_text(json.dumps(DATA_ROW) + "\n")
             lists.setdefault(base, []).append(str(path))
         else:
             path = tmp / key.replace(".", "_")
@@ -54,24 +60,20 @@ def user_overrides(recipe: str, tmp: Path) -> list[str]:
     return overrides
 
 
-@pytest.fixture(autouse=True)
-def gpu_nodes_with_transformer_engine(monkeypatch):
-    """The GPU recipes are sized for Transformer Engine's attention on the GPU nodes (docker/Dockerfile.gpu with
-    INSTALL_TE=1): the memory plan assumes what the driver's environment has, so this one says it has TE."""
-    from skyrl_mtp.models.families import megatron_common
+def test_the_gpu_recipes_name_their_layers_and_the_plan_counts_them_wherever_they_are_submitted(tmp_path):
+    # the plan reads megatron.layer_impl, not what the submitting machine has installed (this one has no TE)
+    for name in ("mimo7b_dapo", "mimo7b_searchr1", "qwen3_5_9b_dapo", "qwen3_5_27b_dapo", "qwen3next_dapo",
+                 "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo"):
+        cfg = load_config([f"recipe={name}", *user_overrides(name, tmp_path / name)])
+        assert cfg.megatron.layer_impl == "transformer_engine", name
 
-    monkeypatch.setattr(megatron_common, "transformer_engine_installed", lambda: True)
 
-
-def test_without_transformer_engine_the_headline_recipe_is_refused_with_a_setting_that_fits(tmp_path, monkeypatch):
-    from skyrl_mtp.models.families import megatron_common
-
-    monkeypatch.setattr(megatron_common, "transformer_engine_installed", lambda: False)
+def test_with_the_local_layers_the_headline_recipe_is_refused_with_a_setting_that_fits(tmp_path):
     with pytest.raises(ConfigError) as info:
-        load_config(["recipe=mimo7b_dapo", *user_overrides("mimo7b_dapo", tmp_path)])
+        load_config(["recipe=mimo7b_dapo", *user_overrides("mimo7b_dapo", tmp_path), "megatron.layer_impl=local"])
     (msg,) = info.value.problems
-    assert msg.startswith("megatron.tp=2 is invalid: a training step needs ")
-    assert "settings that fit: megatron.tp=4 megatron.dp=2 needs" in msg
+    assert msg.startswith("megatron.layer_impl='local' is invalid: a training step needs ")
+    assert "settings that fit: megatron.layer_impl=sdpa needs" in msg
 
 
 def test_the_cluster_recipes_exist():
@@ -89,8 +91,9 @@ def test_a_checkpoint_whose_model_the_trainer_cannot_build_is_refused_naming_the
     with pytest.raises(ConfigError) as info:
         load_config(["recipe=mimo7b_dapo", *overrides, f"model.path={ckpt}"])
     (msg,) = info.value.problems
-    assert msg.startswith("model.path=") and "a model the trainer can build: the GPU memory plan reads its config.json" \
-        in msg and "no model family for architectures=['LlamaForCausalLM']" in msg
+    assert msg.startswith(f"model.path='{ckpt}' is invalid: its config.json has architectures=['LlamaForCausalLM'] "
+                          "(model_type='llama'), which no model family reads; supported architectures: [")
+    assert "'MiMoForCausalLM'" in msg and "'DeepseekV3ForCausalLM'" in msg
 
 
 def _compose(recipe: str, tmp: Path):
@@ -144,26 +147,16 @@ MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo", "q
 
 @pytest.mark.parametrize("recipe", sorted(MOE_MODELS))
 def test_moe_recipes_layout_is_one_their_model_family_trains(recipe, tmp_path):
-    """The launcher's pre-Ray check on the real model's shapes: the family accepts the recipe's tp / ep, refuses
-    tensor parallelism (MoE training needs sequence parallelism there)."""
-    import json
-
-    from skyrl_mtp.config import compose_config
-    from skyrl_mtp.models.families import ModelBuildError, family_for_config
-    from skyrl_mtp.trainer.launch import check_parallel_layout
-    from skyrl_mtp.trainer.run_plan import build_run_plan
-
-    ckpt = tmp_path / "model"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(MOE_MODELS[recipe]))
+    """Validation's check of the real model's shapes (nothing built): the family accepts the recipe's tp / ep and
+    refuses tensor parallelism (MoE training needs sequence parallelism there), naming megatron.tp."""
+    ckpt = write_config(tmp_path / "model", MOE_MODELS[recipe])
     overrides = [o for o in user_overrides(recipe, tmp_path) if not o.startswith("model.path=")]
     cfg = load_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}"])
-    assert family_for_config(MOE_MODELS[recipe]).declared_mtp_layers(MOE_MODELS[recipe]) == 1
     assert cfg.megatron.tp == 1 and cfg.megatron.ep > 1
-    check_parallel_layout(build_run_plan(cfg), ckpt)
-    with pytest.raises(ModelBuildError, match="megatron.tp=2 with a"):
-        check_parallel_layout(build_run_plan(compose_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}",
-                                                            "megatron.tp=2", "megatron.dp=16"])), ckpt)
+    with pytest.raises(ConfigError) as info:
+        load_config([f"recipe={recipe}", *overrides, f"model.path={ckpt}", "megatron.tp=2", "megatron.dp=16"])
+    (msg,) = [p for p in info.value.problems if p.startswith("megatron.tp=")]
+    assert msg.startswith("megatron.tp=2 is invalid: with a ") and "(MoE) model" in msg and "allowed: tp=1" in msg
 
 
 @pytest.mark.parametrize("recipe, nodes, gpus, k", HARDWARE)
