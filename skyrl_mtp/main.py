@@ -11,6 +11,7 @@ import sys
 
 from skyrl_mtp.config import ConfigError, load_config, to_yaml
 from skyrl_mtp.config.loader import _split_overrides, available_recipes, recipe_dirs
+from skyrl_mtp.errors import problem
 
 USAGE = """usage: skyrl-mtp [recipe=NAME] [recipe_dir=DIR] [key=value ...] [--cfg job|plan]
 
@@ -80,7 +81,8 @@ def print_plan(overrides: list[str]) -> int:
     validate_config(cfg, check_memory=False)
     plan = run_memory_plan(cfg)
     if plan is None:
-        raise ConfigError(["model.path: no memory plan: its config.json is missing or no model family reads it"])
+        raise ConfigError([problem("model.path", cfg.model.path, "no memory plan could be made from its config.json "
+                                   "(validation checked the architecture; the plan reads the model's sizes)")])
     print(plan.describe())
     return 2 if plan.problems else 0
 

@@ -49,7 +49,7 @@ class SubmitArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m skyrl_mtp.cluster.submit",
+        prog="skyrl-mtp-submit",
         description="Validate a recipe locally, then run it as a Ray job on a cluster and stream its logs. "
                     "Exit status: the job's (0 = SUCCEEDED); 2 = invalid config or arguments (nothing "
                     "submitted); 3 = cluster unreachable or refused the job.",

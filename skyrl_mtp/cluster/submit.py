@@ -1,6 +1,6 @@
 """Run a recipe on a Ray cluster as a Ray job: validate locally, submit, stream logs, exit with its status.
 
-    python -m skyrl_mtp.cluster.submit --address http://HEAD:8265 [--env K=V ...] [--no-wait] \\
+    skyrl-mtp-submit --address http://HEAD:8265 [--env K=V ...] [--no-wait] \\
         -- recipe=NAME key=value ...
 
 The config is composed and validated here first, exactly as the job will compose it (same recipe

@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from skyrl_mtp.config.schema import SkyRLConfig
 from skyrl_mtp.config.validation import validate_config
@@ -216,17 +216,55 @@ def _apply_open_overrides(cfg: DictConfig, overrides: list[str]) -> None:
                 parent = key.rpartition(".")[0]
                 if OmegaConf.select(cfg, parent) is None:
                     OmegaConf.update(cfg, parent, {}, merge=False)
-            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+            try:
+                OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+            except OmegaConfBaseException as err:
+                raise ConfigError([_explain_hydra_error(err)]) from err
+
+
+_SCALAR_FORMS = {int: "an integer, e.g. 10", float: "a number, e.g. 0.5", bool: "true or false", str: "a string"}
+
+
+def schema_type(dotted: str) -> Any:
+    """The schema's annotation of key `dotted` (None for a key it does not declare)."""
+    node: Any = SkyRLConfig
+    for part in dotted.split("."):
+        ok, child = _schema_child(_unwrap_optional(node), part)
+        if not ok:
+            return None
+        node = child
+    return node
+
+
+def expected_form(key: str, tp: Any) -> str:
+    """What a value of schema type `tp` looks like on the command line, in words, with an example for `key`."""
+    args = [a for a in getattr(tp, "__args__", ()) if a is not type(None)]
+    optional = type(None) in getattr(tp, "__args__", ())
+    origin = getattr(tp, "__origin__", None)
+    if origin is list or tp is list:
+        form = f"a list: write {key}=[a,b] ({key}=[] for none)"
+    elif origin is dict or tp is dict:
+        form = f"a mapping: write {key}={{name: value}} or {key}.name=value"
+    elif len(args) > 1:
+        form = " or ".join(_SCALAR_FORMS.get(a, str(a)).split(",")[0] for a in args)
+    else:
+        base = args[0] if args else tp
+        form = _SCALAR_FORMS.get(base, f"a value of type {getattr(base, '__name__', base)}")
+    return form + (" or null" if optional and "null" not in form else "")
 
 
 def _explain_hydra_error(err: Exception) -> str:
     text = str(err)
     cause = err.__cause__ or err
+    cause = cause.__cause__ if isinstance(cause.__cause__, OmegaConfBaseException) else cause
     full_key = getattr(cause, "full_key", None)
     match = re.search(r"full_key: (\S+)", str(cause)) if not full_key else None
     full_key = full_key or (match.group(1) if match else None)
     first = str(cause).splitlines()[0] if str(cause) else text.splitlines()[0]
     if full_key:
+        tp = schema_type(full_key)
+        if isinstance(cause, ValidationError) and tp is not None:   # a value of the wrong type
+            return problem(full_key, getattr(cause, "value", None), "must be " + expected_form(full_key, tp))
         return f"{full_key}: {first}"
     return text.splitlines()[0] if text else repr(err)
 

@@ -18,6 +18,10 @@ from skyrl_mtp.allowed import (
     is_explore_budget,
 )
 from skyrl_mtp.config.checker import Checker
+from skyrl_mtp.config.schema import MTPConfig
+
+DEFAULT_MAX_SPECULATIVE_TOKENS = MTPConfig().max_speculative_tokens
+DEFAULT_IDLE_HEAD_TRAIN_BUDGET = MTPConfig().idle_head_train_budget
 
 
 def _int_at_least_1(v) -> bool:
@@ -54,6 +58,12 @@ def mtp_checks(c: Checker) -> None:
     c.check("trainer.mtp.explore_budget", lambda v: v == DEFAULT_EXPLORE_BUDGET,
             "applies only with trainer.mtp.num_speculative_tokens=auto (a fixed k explores "
             "nothing); leave it unset", when=on and not auto)
+    c.check("trainer.mtp.max_speculative_tokens", lambda v: v == DEFAULT_MAX_SPECULATIVE_TOKENS,
+            "applies only with trainer.mtp.num_speculative_tokens=auto (a fixed k is the most the engines draft); "
+            "leave it unset", when=on and not auto)
+    c.check("trainer.mtp.idle_head_train_budget", lambda v: v == DEFAULT_IDLE_HEAD_TRAIN_BUDGET,
+            "applies only with trainer.mtp.num_speculative_tokens=auto and train_depths=null (otherwise the head "
+            "trains every step); leave it unset", when=on and not (auto and knob.train_depths is None))
     c.check("trainer.mtp.policy_trace_dir", lambda v: v is None or (isinstance(v, str) and bool(v.strip())),
             "must be a directory path, or null (no trace)")
     c.check("trainer.mtp.policy_trace_dir", lambda v: v is None,

@@ -147,6 +147,12 @@ def render() -> str:
         "  are checked next, all at once, before anything starts.",
         "- A rule that names another key's value shows it at that key's default. *Allowed* is empty where any",
         "  value of the key's type is accepted.",
+        "- A key that does nothing with another key's value (e.g. `trainer.mtp.max_speculative_tokens` or",
+        "  `explore_budget` with a fixed `num_speculative_tokens`) is refused when set, never silently ignored.",
+        "- `trainer.placement.policy_num_workers` restates `megatron.tp * pp * cp * dp` (one worker per Megatron",
+        "  rank): change them together.",
+        "- The checkpoint (`model.path`) is checked from its files: its architecture, MTP layers when drafting,",
+        "  weights, tokenizer files and chat template; data files from their first row (docs/data.md).",
         "",
     ]
     for sec in secs:

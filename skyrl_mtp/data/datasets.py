@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 LAYOUTS = ("dapo", "searchr1")
+# file suffix -> the `datasets` builder that reads it
+DATA_FILE_KINDS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
 
 @dataclass
@@ -51,8 +53,23 @@ def _searchr1_row(row: dict, i: int) -> PromptExample:
     if answers is None or (isinstance(answers, list) and not answers):
         raise ValueError(f"row {i}: field 'golden_answers' (or 'reward_model.ground_truth.target') missing or empty")
     answers = [answers] if isinstance(answers, str) else list(answers)
-    return PromptExample([{"role": "user", "content": q}], {"target": answers},
+    # the row's own prompt when it has one (Search-R1's files and scripts/prepare_searchr1_data.py put the search
+    # instructions there); else the bare question
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in prompt):
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        messages = [{"role": "user", "content": q}]
+    return PromptExample(messages, {"target": answers},
                          str(row.get("data_source") or "searchr1"), dict(row.get("extra_info") or {}))
+
+
+def parse_row(row: dict, i: int, layout: str) -> PromptExample:
+    """Row `i` of a data file in `layout` ("dapo" or "searchr1"); ValueError naming the field that is wrong."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} unknown; allowed: {LAYOUTS}")
+    return (_dapo_row if layout == "dapo" else _searchr1_row)(row, i)
 
 
 def load_prompt_dataset(path: str | Path, *, layout: str = "dapo", skip_malformed: bool = False) -> LoadedDataset:
@@ -62,17 +79,16 @@ def load_prompt_dataset(path: str | Path, *, layout: str = "dapo", skip_malforme
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file not found: {p}")
-    kinds = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+    kinds = DATA_FILE_KINDS
     if p.suffix not in kinds:
         raise ValueError(f"dataset file {p} has suffix {p.suffix!r}; allowed: {sorted(kinds)}")
     import datasets
 
     ds = datasets.load_dataset(kinds[p.suffix], data_files=str(p), split="train")
-    parse = _dapo_row if layout == "dapo" else _searchr1_row
     out, skipped = [], 0
     for i, row in enumerate(ds):
         try:
-            out.append(parse(row, i))
+            out.append(parse_row(row, i, layout))
         except ValueError:
             if not skip_malformed:
                 raise

@@ -130,7 +130,7 @@ def summarize(trajectories: list[SearchTrajectory]) -> dict[str, float]:
     # the first turn reads only the prompt; every later turn starts right after a tool result
     metrics.update(acceptance_metrics([t.turn_spec[0] for t in trajectories if t.turn_spec], "multi_turn/first_turn"))
     metrics.update(acceptance_metrics([c for t in trajectories for c in t.turn_spec[1:]], "multi_turn/after_tool"))
-    for turn in range(1, 1 + max((len(t.turn_spec) for t in trajectories), default=0)):
+    for turn in range(2, 1 + max((len(t.turn_spec) for t in trajectories), default=0)):   # turn 1 is first_turn
         metrics.update(acceptance_metrics([t.turn_spec[turn - 1] for t in trajectories if len(t.turn_spec) >= turn],
                                           f"multi_turn/turn_{turn}"))
     return metrics

@@ -24,6 +24,9 @@ PLOTS = {
 }
 
 
+# plots whose series have different scales (the policy loss is ~0, the draft loss a few nats): one axis each
+OWN_AXES = ("losses.png",)
+
 SMOOTH_MIN_POINTS = 20
 SMOOTH_WINDOW = 10
 
@@ -55,8 +58,11 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         sel = [k for k in keys if pat.search(k)]
         if not sel:
             continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for k in sel:
+        own = name in OWN_AXES and len(sel) > 1
+        fig, axes = plt.subplots(len(sel) if own else 1, 1, figsize=(6, 2.5 * len(sel) if own else 4),
+                                 sharex=True, squeeze=False)
+        for i, k in enumerate(sel):
+            ax = axes[i if own else 0][0]
             xs, ys = _series(rows, k)
             if len(xs) > SMOOTH_MIN_POINTS:
                 line, = ax.plot(xs, ys, alpha=0.3, linewidth=1)
@@ -64,9 +70,9 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
                         label=f"{k} ({SMOOTH_WINDOW}-step mean)")
             else:
                 ax.plot(xs, ys, marker="o", label=k)
-        ax.set_xlabel("step")
-        ax.set_title(name.removesuffix(".png").replace("_", " "))
-        ax.legend(fontsize=7)
+            ax.legend(fontsize=7)
+        axes[-1][0].set_xlabel("step")
+        axes[0][0].set_title(name.removesuffix(".png").replace("_", " "))
         fig.tight_layout()
         fig.savefig(out / name, dpi=80)
         plt.close(fig)

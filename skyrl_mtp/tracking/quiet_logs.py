@@ -52,7 +52,13 @@ HARMLESS_LOG_MESSAGES = (
     "[shutdown] ",
     "Token authentication is enabled for this Ray cluster",
     "Timeout is disabled as",                           # math-verify: the reward sets its own timeout
+    # each engine is a Ray actor process of its own, so vLLM seeding that process's global RNG touches nothing else
+    "The global random seed is set to",
 )
+
+# Loggers that warn while vLLM is being imported, before a logging config can put a filter on vLLM's handler
+# (vllm.logger configures its handler on first import); HarmlessFilter goes on them directly.
+IMPORT_TIME_LOGGERS = ("vllm.triton_utils.importing",)
 
 # (message prefix, category) of Python warnings known to be harmless; PYTHONWARNINGS matches a literal,
 # case-insensitive prefix of the message, so each entry is the start of the message as the library words it.
@@ -115,6 +121,14 @@ def quiet_env(verbose: bool, vllm_config_path: str | None) -> dict[str, str]:
     return env
 
 
+def hide_import_warnings() -> None:
+    """Hide the known harmless warnings vLLM logs while it is imported, in this process (call before importing it)."""
+    for name in IMPORT_TIME_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, HarmlessFilter) for f in logger.filters):
+            logger.addFilter(HarmlessFilter())
+
+
 def quiet_library_logs(verbose: bool, workdir: str | Path) -> dict[str, str]:
     """Quiet this process and (through the environment) every worker started after it; returns what was set.
 
@@ -122,12 +136,15 @@ def quiet_library_logs(verbose: bool, workdir: str | Path) -> dict[str, str]:
     """
     if verbose:
         return {}
+    hide_import_warnings()
     path = Path(workdir) / "vllm_logging.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(vllm_logging_config(), indent=1))
+    path.write_text(json.dumps(vllm_logging_config(), indent=1))   # imports vllm.logger: its handler now exists
     env = quiet_env(verbose, str(path.resolve()))
     os.environ.update(env)
     harmless = HarmlessFilter()
+    for handler in logging.getLogger("vllm").handlers:   # configured on import, before the env var above was set
+        handler.addFilter(harmless)
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)
@@ -148,5 +165,9 @@ def filter_ray_handlers() -> None:
 
 
 def ray_init_kwargs(verbose: bool) -> dict[str, object]:
-    """Keyword arguments of ray.init for the console: Ray's own logs at WARNING unless verbose."""
-    return {"logging_level": logging.INFO if verbose else logging.WARNING, "log_to_driver": True}
+    """Keyword arguments of ray.init for the console: Ray's own logs at WARNING unless verbose, and (unless verbose)
+    `hide_import_warnings` run in every Ray worker process before it imports an actor's code."""
+    if verbose:
+        return {"logging_level": logging.INFO, "log_to_driver": True}
+    return {"logging_level": logging.WARNING, "log_to_driver": True,
+            "runtime_env": {"worker_process_setup_hook": f"{__name__}.hide_import_warnings"}}

@@ -1,7 +1,8 @@
 """Final run summary: first / last / best value of key metrics from metrics.jsonl as a text table.
 
 Single steps are noisy, so the table also gives the mean over the first and the last tenth of the
-points of each metric (at least one point): that is where a trend shows.
+points of each metric: that is where a trend shows. Those columns appear once a metric has
+TREND_MIN_POINTS points (a tenth of fewer is one point, the first or last value again).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from skyrl_mtp.tracking.tracker import read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "eval/reward/mean", "policy/loss", "mtp/loss")
+TREND_MIN_POINTS = 20
 
 
 def summarize(metrics_path: str | Path, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
@@ -28,16 +30,23 @@ def summarize(metrics_path: str | Path, keys: tuple[str, ...] | None = None) -> 
         best = (max if higher else min)(pts, key=lambda p: p[1])
         tenth = max(1, len(pts) // 10)
         out[k] = {"first": pts[0][1], "last": pts[-1][1], "best": best[1], "best_step": float(best[0]),
+                  "points": float(len(pts)),
                   "head_mean": sum(p[1] for p in pts[:tenth]) / tenth,
                   "tail_mean": sum(p[1] for p in pts[-tenth:]) / tenth}
     return out
 
 
 def format_summary(summary: dict[str, dict[str, float]]) -> str:
+    """The table; the first / last 10% columns only when a metric has TREND_MIN_POINTS points ("-" for those
+    with fewer)."""
     w = max([len(k) for k in summary] + [6])
-    lines = [f"{'metric':<{w}}  {'first':>10}  {'last':>10}  {'first 10%':>10}  {'last 10%':>10}  {'best':>10}  "
-             f"{'step':>5}"]
+    trend = any(s.get("points", 0) >= TREND_MIN_POINTS for s in summary.values())
+    head = f"{'metric':<{w}}  {'first':>10}  {'last':>10}  "
+    lines = [head + (f"{'first 10%':>10}  {'last 10%':>10}  " if trend else "") + f"{'best':>10}  {'step':>5}"]
     for k, s in summary.items():
-        lines.append(f"{k:<{w}}  {s['first']:>10.4g}  {s['last']:>10.4g}  {s['head_mean']:>10.4g}  "
-                     f"{s['tail_mean']:>10.4g}  {s['best']:>10.4g}  {int(s['best_step']):>5}")
+        row = f"{k:<{w}}  {s['first']:>10.4g}  {s['last']:>10.4g}  "
+        if trend:
+            enough = s.get("points", 0) >= TREND_MIN_POINTS
+            row += (f"{s['head_mean']:>10.4g}  {s['tail_mean']:>10.4g}  " if enough else f"{'-':>10}  {'-':>10}  ")
+        lines.append(row + f"{s['best']:>10.4g}  {int(s['best_step']):>5}")
     return "\n".join(lines)

@@ -48,17 +48,6 @@ def resolve_model(plan: RunPlan, cache: Path) -> Path:
     return path
 
 
-def check_parallel_layout(plan: RunPlan, model_path: Path) -> None:
-    """The checkpoint's model family accepts the policy's parallel layout (megatron.tp, .ep, .pp); raises
-    ModelBuildError naming the key otherwise. Reads config.json only."""
-    from skyrl_mtp.models.families import family_for_config, read_hf_config
-
-    hf_cfg = read_hf_config(model_path)
-    family = family_for_config(hf_cfg)
-    family.check_parallel(family.args_from_config(hf_cfg), tp=plan.policy_worker.tp, ep=plan.policy_worker.ep,
-                          pp=plan.policy_worker.pp)
-
-
 def synthetic_data(plan: RunPlan, cache: Path) -> dict[str, Path]:
     d = plan.data
     params = dict(d.synthetic_params)
@@ -200,17 +189,6 @@ def build_environment(plan: RunPlan, client: Any, tokenizer: Any, data: dict[str
 
 # ---------------------------------------------------------------------------------------------- run
 
-def check_run_dir(plan: RunPlan) -> None:
-    from skyrl_mtp.trainer.run_dir import RunDir
-
-    loop = plan.loop
-    rd = RunDir(loop.run_dir)
-    if loop.resume == "never" and (rd.metrics_file.exists() or rd.complete_steps()):
-        raise ConfigError([problem("trainer.run_dir", loop.run_dir,
-                                   "already holds a run and trainer.resume=never would overwrite it; choose a new "
-                                   "run_dir or set trainer.resume=auto to continue it")])
-
-
 def run(cfg: DictConfig) -> int:
     """Run a validated config (config.load_config's); returns the exit status."""
     from skyrl_mtp.errors import PlacementError, RunStoppedError
@@ -240,9 +218,7 @@ def _run(plan: RunPlan) -> int:
     cache = cache_root()
     configure_offline_caches(cache)
     quiet_library_logs(plan.tracker.verbose, cache / "logging")   # before Ray starts: workers inherit it
-    check_run_dir(plan)
     base_model = resolve_model(plan, cache)
-    check_parallel_layout(plan, base_model)   # e.g. a MoE model's tp / ep: before Ray or any worker starts
     data = synthetic_data(plan, cache) if plan.data.synthetic else {}
     train_files = [Path(p) for p in plan.data.train_files] or [data["train"]]
     val_files = [Path(p) for p in plan.data.val_files] or ([data["val"]] if "val" in data else [])

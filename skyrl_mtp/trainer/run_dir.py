@@ -8,14 +8,12 @@ only complete checkpoints older than the newest `keep_last`.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-COMPLETE_MARKER = "COMPLETE"
+from skyrl_mtp.config.run_dir_check import CHECKPOINTS_DIR, COMPLETE_MARKER, METRICS_FILE, complete_steps
 
 
 class RunDir:
@@ -24,11 +22,11 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS_DIR
 
     @property
     def metrics_file(self) -> Path:
-        return self.root / "metrics.jsonl"
+        return self.root / METRICS_FILE
 
     @property
     def plots(self) -> Path:
@@ -61,14 +59,7 @@ class RunDir:
         return final
 
     def complete_steps(self) -> list[int]:
-        if not self.checkpoints.is_dir():
-            return []
-        steps = []
-        for child in self.checkpoints.iterdir():
-            match = _STEP_DIR.match(child.name)
-            if match and (child / COMPLETE_MARKER).exists():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return complete_steps(self.root)
 
     def latest(self) -> Path | None:
         steps = self.complete_steps()

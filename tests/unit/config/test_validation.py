@@ -31,8 +31,8 @@ def test_tiny_recipe_is_valid():
         ("megatron.mtp_loss_chunk_size=-1", "megatron.mtp_loss_chunk_size=-1 is invalid: must be an int >= 0 "
          "(tokens per chunk of the draft loss; 0 = one chunk) or 'auto'"),
         ("megatron.mtp_loss_chunk_size=big", "megatron.mtp_loss_chunk_size='big' is invalid: must be an int >= 0"),
-        ("megatron.mtp_loss_chunk_size=1.5", "megatron.mtp_loss_chunk_size: Value '1.5' of type 'float' is "
-         "incompatible"),
+        ("megatron.mtp_loss_chunk_size=1.5", "megatron.mtp_loss_chunk_size=1.5 is invalid: must be an integer or "
+         "a string"),
         ("trainer.mtp.loss_weight=-0.5", "trainer.mtp.loss_weight=-0.5 is invalid: must be >= 0.0"),
         ("megatron.policy_optimizer.lr=-1", "megatron.policy_optimizer.lr=-1.0 is invalid: must be >= 0"),
         ("generator.sampling.top_p=1.5", "generator.sampling.top_p=1.5 is invalid: must be in (0, 1]"),

@@ -61,6 +61,17 @@ def test_searchr1_layout(tmp_path):
         load_prompt_dataset(p, layout="searchr1")
     ds = load_prompt_dataset(p, layout="searchr1", skip_malformed=True)
     assert [e.ground_truth["target"] for e in ds.examples] == [["a", "b"], ["c"]]
+    assert ds.examples[0].prompt == [{"role": "user", "content": "who?"}]   # no prompt field: the bare question
+
+
+def test_searchr1_layout_keeps_the_rows_instruction_prompt(tmp_path):
+    from skyrl_mtp.data.search_task import make_searchr1_row
+
+    row = make_searchr1_row("who?", ["a"], data_source="s", split="train", index=0)   # what the prepare script writes
+    p = tmp_path / "s.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    (ex,) = load_prompt_dataset(p, layout="searchr1").examples
+    assert ex.prompt == row["prompt"] and "<search>" in ex.prompt[0]["content"] and ex.ground_truth == {"target": ["a"]}
 
 
 def test_iterator_epochs_and_resume():

@@ -192,6 +192,7 @@ def test_per_turn_acceptance_and_search_metrics():
     assert m["multi_turn/after_tool/draft_acceptance_rate"] == pytest.approx(6 / 8)
     assert m["multi_turn/after_tool/mean_acceptance_length"] == pytest.approx(1 + 6 / 4)
     assert m["multi_turn/turn_2/draft_acceptance_rate"] == pytest.approx(6 / 8) and "multi_turn/turn_3/num_drafts" not in m
+    assert not any(k.startswith("multi_turn/turn_1/") for k in m)   # turn 1 is first_turn, logged once
     assert m["multi_turn/answer_after_search_frac"] == 0.5 and m["multi_turn/answer_without_search_frac"] == 0.5
     assert m["multi_turn/num_searches_mean"] == 0.5
     assert 0.05 <= m["multi_turn/retriever_latency_mean_s"] == m["multi_turn/retriever_latency_max_s"] < 1.0

@@ -2,6 +2,7 @@
 
 import io
 import json
+import struct
 
 import pytest
 
@@ -55,6 +56,10 @@ def test_plots_and_summary(tmp_path):
     assert s["policy/loss"]["best"] == 0.25 and s["policy/loss"]["best_step"] == 3
     table = format_summary(s)
     assert "reward/mean" in table and "spec/mean_acceptance_length" in table
+    assert "10%" not in table   # 4 points: a tenth is the first / last value again, so those columns are left out
+    # the policy loss and the draft loss each get an axis of their own: losses.png is two panels tall
+    size = {p.name: struct.unpack(">II", p.read_bytes()[16:24]) for p in paths}
+    assert size["losses.png"][1] > size["reward.png"][1]
 
 
 def test_moving_average_and_summary_tenths(tmp_path):

@@ -231,9 +231,10 @@ def test_resume_restores_step_and_data_position(tmp_path):
 def test_resume_never_starts_fresh(tmp_path):
     t = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
                  "trainer.checkpoint.every_n_steps=1", "trainer.total_steps=1")
-    t.fit()
+    # configured while the run dir is still empty: validation refuses resume=never on a dir that holds a run
     r = _trainer(tmp_path, "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=null",
                  "trainer.resume=never")
+    t.fit()
     assert r.resume_if_possible() == 0 and r.step == 0 and r.policy.loaded == []
 
 

@@ -105,17 +105,16 @@ def test_warm_start_cache_key_depends_on_plan_and_data(tmp_path):
 
 def test_resume_never_refuses_to_overwrite_a_run(tmp_path):
     from skyrl_mtp.config import ConfigError, load_config
-    from skyrl_mtp.trainer.launch import check_run_dir
-    from skyrl_mtp.trainer.run_plan import build_run_plan
 
     run = tmp_path / "run"
-    cfg = build_run_plan(load_config(["recipe=tiny_dapo", f"trainer.run_dir={run}", "trainer.resume=never"]))
-    check_run_dir(cfg)  # empty: fine
+    overrides = ["recipe=tiny_dapo", f"trainer.run_dir={run}", "trainer.resume=never"]
+    load_config(overrides)  # empty: fine
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="trainer.run_dir.*resume=never"):
-        check_run_dir(cfg)
+        load_config(overrides)   # at validation, before anything starts
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    load_config([*overrides[:2], "trainer.resume=auto"])   # continuing it is fine
 
 
 @pytest.fixture(scope="module")
