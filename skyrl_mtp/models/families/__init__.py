@@ -76,8 +76,8 @@ def family_by_name(name: str) -> ModelFamily:
 
 
 def engine_kwargs_for_family(family: ModelFamily, kwargs: dict, user_kwargs: dict, *, on_cpu: bool = False) -> dict:
-    """``kwargs`` with the family's required vLLM engine settings applied (``cpu_engine_overrides`` too when
-    ``on_cpu``); a conflicting value the user set explicitly in ``user_kwargs`` is an error naming the key."""
+    """``kwargs`` with the family's required vLLM engine settings applied (``cpu_engine_overrides`` and, into the
+    speculative config, ``cpu_draft_overrides`` too when ``on_cpu``); a conflicting value the user set explicitly in ``user_kwargs`` is an error naming the key."""
     out = dict(kwargs)
     required = {**family.engine_overrides, **(family.cpu_engine_overrides if on_cpu else {})}
     for key, value in required.items():
@@ -85,6 +85,8 @@ def engine_kwargs_for_family(family: ModelFamily, kwargs: dict, user_kwargs: dic
             raise ModelBuildError(f"engine_kwargs.{key}={user_kwargs[key]!r} cannot be used with a {family.name} "
                                   f"checkpoint; allowed: {value!r} (vLLM needs it for this model family)")
         out[key] = copy.deepcopy(value)  # vLLM may mutate a dict/list value (e.g. appends to custom_ops)
+    if on_cpu and family.cpu_draft_overrides and isinstance(out.get("speculative_config"), dict):
+        out["speculative_config"] = {**out["speculative_config"], **copy.deepcopy(family.cpu_draft_overrides)}
     return out
 
 

