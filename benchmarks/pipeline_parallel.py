@@ -31,6 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+# --quick: step_time.py's smoke size (a small batch, short responses, no warm start) for both runs
+from step_time import QUICK_OVERRIDES  # (benchmarks/ is this script's first path entry)
+
 REPO = Path(__file__).resolve().parents[1]
 SETUPS = {
     "pp1": [],
@@ -96,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip", type=int, default=1, help="steps left out of the step-time means (start-up)")
-    ap.add_argument("--quick", action="store_true", help="2 steps: a smoke run")
+    ap.add_argument("--quick", action="store_true", help=f"2 steps of a small batch: a smoke run (overrides {QUICK_OVERRIDES})")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--out", type=Path, help="where the run directories go (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="config overrides for both runs")
     args = ap.parse_args(argv)
     steps, skip = (2, 1) if args.quick else (args.steps, args.skip)
+    overrides = [*QUICK_OVERRIDES, *args.overrides] if args.quick else args.overrides
     out = args.out or Path(tempfile.mkdtemp(prefix="pp_bench_"))
-    runs = {name: run_setup(name, extra, steps, out, args.overrides) for name, extra in SETUPS.items()}
+    runs = {name: run_setup(name, extra, steps, out, overrides) for name, extra in SETUPS.items()}
     (rows1, dir1), (rows2, dir2) = runs["pp1"], runs["pp2"]
     metrics = compare_metrics(rows1, rows2)
     t1, t2 = step_times(rows1, skip), step_times(rows2, skip)

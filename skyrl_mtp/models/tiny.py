@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from skyrl_mtp.cache_dirs import is_complete, private_build_dir, publish
 from skyrl_mtp.models.tiny_qwen3_5 import (
     build_qwen3_5_weights,
     qwen3_5_hf_config,
@@ -362,15 +363,14 @@ def cached_tiny_checkpoint(cache_root: str | Path, spec: TinyModelSpec) -> Path:
 
     key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
     final = Path(cache_root) / f"tiny-{key}"
-    if (final / "COMPLETE").exists():
+    if is_complete(final):
         return final
-    tmp = final.with_name(final.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_checkpoint(tmp, spec)
-    (tmp / "COMPLETE").write_text("ok\n")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
+    tmp = private_build_dir(final)
+    try:
+        build_tiny_checkpoint(tmp, spec)
+        return publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

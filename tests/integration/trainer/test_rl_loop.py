@@ -1,9 +1,11 @@
 """The RL loop end to end on CPU: real Ray, Megatron and vLLM, launched through the CLI like `make run`.
 
-Run A trains a few steps of the tiny DAPO recipe with MTP speculative decoding and checkpoints;
-run B resumes a copy of A from its step-2 checkpoint and must reproduce A's step 3; run C resumes
-and loses its engine mid-rollout. Two short runs with the draft loss weight 1 and 0, both drafting
-with k = 2, show the policy is untouched by draft training (bitwise, thanks to draft-invariant sampling).
+Run A trains a few steps of the tiny DAPO recipe with MTP speculative decoding and checkpoints. Run B resumes a
+copy of A from its step-2 checkpoint, must reproduce A's step 3, then loses its engine in step 4's rollout: the
+run stops naming the engine and leaves its last checkpoint untouched. Run A0 repeats A with the draft loss weight
+0: drafting with k = 3 in both, the policy is untouched by draft training (bitwise, thanks to draft-invariant
+sampling). Two more runs do the same one step off (trainer.async_rl.mode=one_step_off) with the TIS correction
+reading the engine's logprobs (resuming one step off is covered with fakes in tests/unit/trainer/test_one_step_off.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,12 +40,14 @@ def stable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not any(s in k for s in VOLATILE)}
 
 
+RUN_A = [*SMALL, "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2", "trainer.eval_every_n_steps=3",
+         "trainer.mtp.num_speculative_tokens=3", "trainer.mtp.loss_type=topk_soft_ce", "megatron.mtp_loss_topk=16"]
+
+
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory, cli) -> Path:
     run = tmp_path_factory.mktemp("rl") / "a"
-    proc = cli([*SMALL, f"trainer.run_dir={run}", "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2",
-                "trainer.eval_every_n_steps=3", "trainer.mtp.num_speculative_tokens=3",
-                "trainer.mtp.loss_type=topk_soft_ce", "megatron.mtp_loss_topk=16"])
+    proc = cli([*RUN_A, f"trainer.run_dir={run}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run
 
@@ -74,6 +79,7 @@ def test_cli_overrides_reach_the_engines_and_the_loss(run_a):
     assert info["engine_speculative_tokens"] == [3]                 # read back from the running vLLM engine
     assert info["policy_worker_config"]["mtp_loss_type"] == "topk_soft_ce"   # read back from the Megatron actor
     assert info["policy_worker_config"]["mtp_loss_topk"] == 16
+    assert info["policy_worker_config"]["layer_impl"] == "local"          # megatron.layer_impl, the CPU default
 
 
 def test_actors_run_in_their_placement_group_bundles(run_a):
@@ -83,61 +89,88 @@ def test_actors_run_in_their_placement_group_bundles(run_a):
     assert pl["bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}] and pl["engine_bundles"] == [0] and pl["policy_bundles"] == [1]
 
 
-def test_resume_continues_with_identical_next_step(run_a, tmp_path, cli):
-    run_b = tmp_path / "b"
+@pytest.fixture(scope="module")
+def after_a(run_a, tmp_path_factory, cli) -> dict:
+    """The two runs that start from run A, side by side (each keeps about one core busy): B resumes a copy of A and
+    loses its engine in step 4; A0 repeats A with the draft loss weight 0 (plots off: nothing reads them)."""
+    root = tmp_path_factory.mktemp("after_a")
+    run_b, run_off = root / "b", root / "a0"
     shutil.copytree(run_a, run_b)
     shutil.rmtree(run_b / "checkpoints" / "step_3")
-    proc = cli([*SMALL, f"trainer.run_dir={run_b}", "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2",
-                "trainer.eval_every_n_steps=3", "trainer.mtp.num_speculative_tokens=3",
-                "trainer.mtp.loss_type=topk_soft_ce", "megatron.mtp_loss_topk=16"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resumed from" in proc.stderr and "step_2" in proc.stderr
-    a, b = metrics(run_a), metrics(run_b)
-    assert sorted(b) == [0, 1, 2, 3]
-    assert stable(b[3]) == stable(a[3])
+    before = _digest(run_b / "checkpoints" / "step_2")
+    # the learning rate is constant (no warmup): running to step 5 instead of 3 leaves step 3 as it was
+    args_b = [a if not a.startswith("trainer.total_steps=") else "trainer.total_steps=5" for a in RUN_A]
+    with ThreadPoolExecutor(2) as pool:
+        b = pool.submit(cli, [*args_b, f"trainer.run_dir={run_b}"],
+                        env_extra={"SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP": "4"})
+        off = pool.submit(cli, [*RUN_A, f"trainer.run_dir={run_off}", "trainer.mtp.loss_weight=0.0", "logger.plots=false"])
+        return {"b": (run_b, before, b.result()), "a0": (run_off, off.result())}
 
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
 
 
-def test_engine_death_is_named_and_checkpoint_survives(run_a, tmp_path, cli):
-    run_c = tmp_path / "c"
-    shutil.copytree(run_a, run_c)
-    before = _digest(run_c / "checkpoints" / "step_3")
-    proc = cli([*SMALL, f"trainer.run_dir={run_c}", "trainer.total_steps=5", "trainer.checkpoint.every_n_steps=2",
-                "trainer.mtp.num_speculative_tokens=3", "trainer.mtp.loss_type=topk_soft_ce",
-                "megatron.mtp_loss_topk=16"],
-               env_extra={"SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP": "4"})
+def test_resume_continues_with_identical_next_step_then_engine_death_is_named_and_checkpoint_survives(run_a, after_a):
+    run_b, before, proc = after_a["b"]
+    assert "resumed from" in proc.stderr and "step_2" in proc.stderr
+    a, b = metrics(run_a), metrics(run_b)
+    assert sorted(b) == [0, 1, 2, 3]
+    assert stable(b[3]) == stable(a[3])
+    # then the engine dies in step 4's rollout: named, exit status 1, the last checkpoint (step 2) untouched
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "inference engine" in proc.stderr and "died during the rollout of step 4" in proc.stderr
-    assert "step_3" in proc.stderr
-    assert _digest(run_c / "checkpoints" / "step_3") == before
-    assert max(metrics(run_c)) == 3
+    assert f"the last complete checkpoint is {run_b / 'checkpoints' / 'step_2'} and was not modified" in proc.stderr
+    assert _digest(run_b / "checkpoints" / "step_2") == before
+    assert not (run_b / "checkpoints" / "step_4").exists()
 
 
-def test_draft_training_leaves_the_policy_bitwise_untouched(tmp_path, cli):
-    # Spec decoding ON in both runs: with the draft loss weight 1 the head learns and drafts get
+def test_draft_training_leaves_the_policy_bitwise_untouched(run_a, after_a):
+    # Spec decoding ON in both runs: with the draft loss weight 1 (run A) the head learns and drafts get
     # accepted, with weight 0 it stays random. Draft-invariant sampling makes the seeded T=1 rollouts
     # independent of the drafts, so everything the policy sees and does must be bitwise equal.
-    common = [*SMALL, "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every_n_steps=0"]
-    runs = {}
-    for weight in (1.0, 0.0):
-        run = tmp_path / f"w{weight}"
-        proc = cli([*common, f"trainer.run_dir={run}", f"trainer.mtp.loss_weight={weight}"])
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[weight] = run
-    assert json.loads((runs[1.0] / "run_info.json").read_text())["engine_speculative_tokens"] == [2]
-    problems, summary = compare_policy_runs(runs[1.0], runs[0.0])
+    run_off, proc = after_a["a0"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((run_off / "run_info.json").read_text())["engine_speculative_tokens"] == [3]
+    problems, summary = compare_policy_runs(run_a, run_off)
     assert problems == [], problems[:10]
-    assert summary["steps"] == 3 and summary["checkpoint"] == "step_3" and summary["trunk_tensors_compared"] > 10
-    on, off = metrics(runs[1.0]), metrics(runs[0.0])
+    # steps 0-3: step 0 and 3 hold evals, compared too
+    assert summary["steps"] == 4 and summary["checkpoint"] == "step_3" and summary["trunk_tensors_compared"] > 10
+    on, off = metrics(run_a), metrics(run_off)
     for step in (1, 2, 3):
         assert "policy/loss" in on[step] and "reward/mean" in on[step]
         assert on[step]["mtp/grad_norm"] > 0
     acc = "rollout/train/draft_acceptance_rate"
     assert on[3][acc] > off[3][acc] + 0.05, (on[3][acc], off[3][acc])   # the drafts really differed
-    w_on = load_file(str(runs[1.0] / "checkpoints/step_3/hf/model.safetensors"))
-    w_off = load_file(str(runs[0.0] / "checkpoints/step_3/hf/model.safetensors"))
+    w_on = load_file(str(run_a / "checkpoints/step_3/hf/model.safetensors"))
+    w_off = load_file(str(run_off / "checkpoints/step_3/hf/model.safetensors"))
     mtp = [k for k in w_on if ".mtp_layers." in k]
     assert mtp and any(not w_on[k].equal(w_off[k]) for k in mtp)
+
+
+def test_one_step_off_is_one_step_stale_and_leaves_the_policy_bitwise_untouched(tmp_path, cli):
+    # The next batch is generated with the weights from before the current step's update while it trains
+    # (staleness 1 from step 2 on); the TIS correction weights the loss with the engine's logprobs. With the
+    # draft loss weight 1 and 0 every policy metric (off_policy/* included) and trunk tensor must be equal.
+    common = [*SMALL, "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every_n_steps=0",
+              "trainer.async_rl.mode=one_step_off", "algorithm.off_policy.correction=tis"]
+    runs = {weight: tmp_path / f"w{weight}" for weight in (1.0, 0.0)}
+    with ThreadPoolExecutor(2) as pool:   # side by side: each keeps about one core busy
+        procs = [pool.submit(cli, [*common, f"trainer.run_dir={run}", f"trainer.mtp.loss_weight={weight}",
+                                   "logger.plots=false"]) for weight, run in runs.items()]
+        for proc in procs:
+            assert proc.result().returncode == 0, proc.result().stderr[-4000:]
+    on, off = metrics(runs[1.0]), metrics(runs[0.0])
+    assert [on[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert [on[s]["async/staleness_mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2):   # the next batch was generated while this step trained
+        assert on[step]["timing/background/generate_s"] > 0 and on[step]["timing/overlap_s"] > 0
+        assert on[step]["timing/wait_rollout_s"] >= 0
+    assert "timing/background/generate_s" not in on[3]            # the last step prefetches nothing
+    # the correction read the engine's logprobs of batches one update behind: weights differ from 1
+    assert all(on[s]["off_policy/log_ratio_abs_mean"] > 0 for s in (2, 3))
+    problems, summary = compare_policy_runs(runs[1.0], runs[0.0])
+    assert problems == [], problems[:10]
+    assert summary["steps"] == 3 and summary["checkpoint"] == "step_3" and summary["trunk_tensors_compared"] > 10
+    acc = "rollout/train/draft_acceptance_rate"
+    assert on[3][acc] > off[3][acc] + 0.05, (on[3][acc], off[3][acc])   # the drafts really differed

@@ -16,7 +16,7 @@ def test_tiny_searchr1_runs_and_logs_reward_and_acceptance(tmp_path, cli):
     proc = cli(["recipe=tiny_searchr1", f"trainer.run_dir={run}", "trainer.total_steps=2",
                 "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0", "trainer.train_batch_size=4",
                 "trainer.policy_mini_batch_size=2", "trainer.progress_bar=false",
-                "algorithm.dynamic_sampling.max_gen_rounds=1"])
+                "algorithm.dynamic_sampling.max_gen_rounds=1", "logger.plots=false"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "retriever: serving" in proc.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -69,31 +69,35 @@ def _start_retriever(corpus, tmp_path):
     raise RuntimeError("retriever did not start")
 
 
-@pytest.mark.parametrize("on_failure", ["score", "raise"])
-def test_retriever_killed_mid_run_follows_the_failure_policy(tmp_path, on_failure):
-    """An external retriever process is SIGKILLed once step 1 is logged: "score" finishes the run with the
-    failed searches counted and scored 0; "raise" stops it with a clear error (exit status 1). No hang."""
-    import os
-    import subprocess
-    import sys
-    import time
-
+def _killed_run_args(on_failure: str, tmp_path: Path) -> list[str]:
+    """The run's overrides, with its search task written (composes the config: Hydra's state is global, so the
+    runs side by side are prepared one after the other)."""
     from skyrl_mtp.config.loader import load_config
     from skyrl_mtp.data.search_task import write_search_task
     from skyrl_mtp.trainer.launch import search_task_spec
     from skyrl_mtp.trainer.run_plan import data_settings
-
-    repo = Path(__file__).resolve().parents[3]
 
     data = tmp_path / "data"
     args = ["recipe=tiny_searchr1", f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3",
             "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0", "trainer.train_batch_size=4",
             "trainer.policy_mini_batch_size=2", "trainer.progress_bar=false", "algorithm.dynamic_sampling.max_gen_rounds=1",
             f"data.synthetic_dir={data}", "environment.search.timeout_s=2.0", "environment.search.max_retries=1",
-            f"environment.search.on_failure={on_failure}"]
+            f"environment.search.on_failure={on_failure}", "logger.plots=false"]
     cfg = load_config(args)
-    paths = write_search_task(data, search_task_spec(dict(data_settings(cfg).synthetic_params)))
-    retriever, url = _start_retriever(paths["corpus"], tmp_path)
+    write_search_task(data, search_task_spec(dict(data_settings(cfg).synthetic_params)))
+    return args
+
+
+def _run_with_retriever_killed(args: list[str], tmp_path: Path):
+    """Run 3 steps against an external retriever that is SIGKILLed once step 1 is logged; returns the run's exit
+    status, its stderr, its metrics rows by step and the retriever's URL."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[3]
+    retriever, url = _start_retriever(tmp_path / "data" / "corpus.jsonl", tmp_path)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     run = subprocess.Popen([sys.executable, "-m", "skyrl_mtp.main", *args, f"environment.search.retriever_url={url}"],
@@ -113,15 +117,36 @@ def test_retriever_killed_mid_run_follows_the_failure_policy(tmp_path, on_failur
         run.kill()
     assert metrics.exists(), f"the run exited with {run.returncode} before it logged a step:\n{err[-4000:]}"
     rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+    return run.returncode, err, rows, url
+
+
+@pytest.fixture(scope="module")
+def retriever_killed(tmp_path_factory) -> dict:
+    """Both failure policies' runs, side by side (each keeps about one core busy; the warm start they share was
+    cached by the run above)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dirs = {p: tmp_path_factory.mktemp(f"killed_{p}") for p in ("score", "raise")}
+    args = {p: _killed_run_args(p, d) for p, d in dirs.items()}
+    with ThreadPoolExecutor(2) as pool:
+        runs = {p: pool.submit(_run_with_retriever_killed, args[p], dirs[p]) for p in dirs}
+        return {p: f.result() for p, f in runs.items()}
+
+
+@pytest.mark.parametrize("on_failure", ["score", "raise"])
+def test_retriever_killed_mid_run_follows_the_failure_policy(retriever_killed, on_failure):
+    """An external retriever process is SIGKILLed once step 1 is logged: "score" finishes the run with the
+    failed searches counted and scored 0; "raise" stops it with a clear error (exit status 1). No hang."""
+    returncode, err, rows, url = retriever_killed[on_failure]
     assert rows[1]["multi_turn/search_failures"] == 0.0 and rows[1]["multi_turn/num_searches_mean"] > 0.5
     if on_failure == "score":
-        assert run.returncode == 0, err[-4000:]
+        assert returncode == 0, err[-4000:]
         assert sorted(rows) == [1, 2, 3]
         for step in (2, 3):   # every search after the kill failed: counted, scored 0
             assert rows[step]["multi_turn/search_failures"] > 0
             assert rows[step]["multi_turn/finish_search_failed_frac"] > 0.5
             assert rows[step]["reward/mean"] <= rows[step]["multi_turn/finish_answer_frac"]
     else:
-        assert run.returncode == 1, err[-4000:]
+        assert returncode == 1, err[-4000:]
         assert "environment.search.on_failure=raise" in err and url in err, err[-4000:]
         assert sorted(rows) == [1]
