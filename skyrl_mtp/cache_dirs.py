@@ -28,15 +28,30 @@ def private_build_dir(final: Path) -> Path:
 
 
 def publish(tmp: Path, final: Path) -> Path:
-    """Mark `tmp` complete and move it to `final`, unless another process published `final` first."""
+    """Mark `tmp` complete and move it to `final`, unless another process published `final` first. A folder at
+    `final` is only ever put there whole by a rename, so one without the marker is a foreign or interrupted copy:
+    it is set aside, never deleted in place (another builder may publish in between)."""
     (tmp / COMPLETE).write_text("ok\n")
-    if not is_complete(final):
-        shutil.rmtree(final, ignore_errors=True)   # a half-written folder of an older layout or a killed build
+    for _ in range(5):
         try:
-            tmp.rename(final)
+            tmp.rename(final)   # atomic; refused while `final` holds anything
             return final
         except OSError:
-            if not is_complete(final):
-                raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    return final
+            if is_complete(final):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            if not final.exists():
+                continue
+            aside = final.with_name(f"{final.name}.stale-{uuid.uuid4().hex[:8]}")
+            try:
+                final.rename(aside)
+            except OSError:
+                continue
+            if is_complete(aside):   # published by another builder after the check: put it back
+                try:
+                    aside.rename(final)
+                except OSError:
+                    pass
+            else:
+                shutil.rmtree(aside, ignore_errors=True)
+    raise RuntimeError(f"could not publish {tmp} as {final}: another process keeps replacing it")

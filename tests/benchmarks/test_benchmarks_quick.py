@@ -115,6 +115,8 @@ def quick_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_benchmark_quick_runs_and_writes_its_fields(script, quick_runs):
+    """The first case to run waits for the pool of every --quick run (about 4.5 minutes on 2 cores, the longest
+    start first), so pytest charges that case with it; the others find their run finished."""
     future, out = quick_runs[script]
     proc, seconds = future.result()
     assert proc.returncode == 0, f"{script} --quick failed after {seconds:.0f}s:\n{proc.stderr[-4000:]}"

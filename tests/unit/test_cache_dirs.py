@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
+
 from skyrl_mtp.cache_dirs import is_complete, private_build_dir, publish
 
 
@@ -15,17 +17,19 @@ def _build(final: str, payload: str, barrier, results) -> None:
     results.put((publish(tmp, Path(final)) / "weights.bin").read_text())
 
 
-def test_concurrent_builders_all_return_the_one_published_folder(tmp_path):
+@pytest.mark.parametrize("round_", range(3))
+def test_concurrent_builders_all_return_the_one_published_folder(tmp_path, round_):
     final = tmp_path / "tiny-abc"
     ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_build, args=(str(final), f"build {i}", barrier, results)) for i in range(4)]
+    barrier, results = ctx.Barrier(6), ctx.Queue()
+    procs = [ctx.Process(target=_build, args=(str(final), f"build {i}", barrier, results)) for i in range(6)]
     for p in procs:
         p.start()
     got = [results.get(timeout=30) for _ in procs]
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
+    # every builder got the folder that stays (none was replaced after another builder returned it)
     assert is_complete(final) and len(set(got)) == 1 and got[0] == (final / "weights.bin").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-abc"]   # no builder's folder is left behind
 
