@@ -61,7 +61,7 @@ def engine_kwargs_checks(c: Checker, family: Any | None) -> None:
     if family is None:
         return
     on_cpu = c.get("trainer.placement.gpus_per_engine") == 0
-    required = {**family.engine_overrides, **(family.cpu_engine_overrides if on_cpu else {})}
+    required = family.required_engine_kwargs(on_cpu)
     for name, value in required.items():
         if name in kwargs and kwargs[name] != value:
             c.add(KEY, kwargs, f"{name} must be {value!r} (or left out) with a {family.name} model"

@@ -79,7 +79,7 @@ def engine_kwargs_for_family(family: ModelFamily, kwargs: dict, user_kwargs: dic
     """``kwargs`` with the family's required vLLM engine settings applied (``cpu_engine_overrides`` and, into the
     speculative config, ``cpu_draft_overrides`` too when ``on_cpu``); a conflicting value the user set explicitly in ``user_kwargs`` is an error naming the key."""
     out = dict(kwargs)
-    required = {**family.engine_overrides, **(family.cpu_engine_overrides if on_cpu else {})}
+    required = family.required_engine_kwargs(on_cpu)
     for key, value in required.items():
         if key in user_kwargs and user_kwargs[key] != value:
             raise ModelBuildError(f"engine_kwargs.{key}={user_kwargs[key]!r} cannot be used with a {family.name} "

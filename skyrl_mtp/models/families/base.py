@@ -312,6 +312,10 @@ class ModelFamily:
     # the config.json key giving the number of MTP layers (read in text_config when the config nests one)
     mtp_config_key: str = "num_nextn_predict_layers"
 
+    def required_engine_kwargs(self, on_cpu: bool) -> dict:
+        """The vLLM engine settings this family needs whatever the user asks (the CPU ones too on CPU)."""
+        return {**self.engine_overrides, **(self.cpu_engine_overrides if on_cpu else {})}
+
     def declared_mtp_layers(self, hf_cfg: dict) -> int:
         n = hf_cfg.get("text_config", hf_cfg).get(self.mtp_config_key) or 0
         return n if isinstance(n, int) else 0
