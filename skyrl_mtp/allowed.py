@@ -29,7 +29,7 @@ SEARCH_ON_FAILURE = ("score", "raise")
 MODEL_RUNNERS = ("v1", "v2")   # vLLM's model runners (generator.model_runner, EngineConfig.model_runner)
 # megatron.layer_impl: the policy's layer spec / core attention (models/families/megatron_common.py)
 LAYER_IMPLS = ("local", "sdpa", "transformer_engine")
-ASYNC_RL_MODES = ("sync", "one_step_off")     # trainer.async_rl.mode
+ASYNC_RL_MODES = ("sync", "one_step_off", "fully_async")     # trainer.async_rl.mode
 OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")   # algorithm.off_policy.correction
 TIS_LEVELS = ("token", "sequence")            # algorithm.off_policy.tis_level
 

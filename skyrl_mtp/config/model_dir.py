@@ -32,11 +32,18 @@ TOKENIZER_RULE = ("a checkpoint with tokenizer files (one of " + ", ".join(TOKEN
 FAMILY_RULE = "a checkpoint whose config.json architectures a model family reads (the supported ones are listed)"
 MTP_RULE = ("a checkpoint with MTP layers when trainer.mtp.enabled=true (the engines draft and the policy trains "
             "with them); set trainer.mtp.enabled=false for a model without")
+MTP_ENABLED_RULE = ("false when the model has no MTP layers (model families without them: llama, qwen3; or "
+                    "model.tiny.mtp_layers=0)")
 WEIGHTS_RULE = "a checkpoint with *.safetensors weights"
 
 
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def has_mtp_layers(family: Any) -> bool:
+    """False for a family whose models never have MTP layers (models/families/dense_common.py)."""
+    return getattr(family, "has_mtp_layers", True)
 
 
 def _checkpoint_dir(c: Checker) -> Path | None:
@@ -127,9 +134,11 @@ def model_dir_checks(c: Checker) -> Any | None:
         return None
     key, n_mtp = checkpoint_mtp_layers(hf)
     if c.cfg.trainer.mtp.enabled and n_mtp < 1:
-        c.add("model.path", str(d), f"its config.json has {key}={n_mtp} but trainer.mtp.enabled=true (the engines "
-                                    "draft and the policy trains with MTP layers); use a checkpoint with MTP layers "
-                                    "or set trainer.mtp.enabled=false")
+        has = (f"is a {family.name} model, which has no MTP layers," if not has_mtp_layers(family)
+               else f"has {key}={n_mtp}")
+        c.add("model.path", str(d), f"its config.json {has} but trainer.mtp.enabled=true (the engines draft and "
+                                    "the policy trains with MTP layers); use a checkpoint with MTP layers or set "
+                                    "trainer.mtp.enabled=false")
     speculative_tokens_checks(c, n_mtp)
     if not any(d.glob("*.safetensors")):
         c.add("model.path", str(d), "has no *.safetensors weights (the engines and the policy load them)")
@@ -147,13 +156,19 @@ def tiny_layout_checks(c: Checker) -> Any:
     """The tiny model's family against the layout (its config.json as it would be built; nothing is built)."""
     from dataclasses import fields
 
-    from skyrl_mtp.models.families import family_for_config
+    from skyrl_mtp.models.families import checkpoint_mtp_layers, family_for_config
     from skyrl_mtp.models.tiny import TinyModelSpec, hf_config
 
     names = {f.name for f in fields(TinyModelSpec)}
     spec = TinyModelSpec(**{k: v for k, v in dict(c.cfg.model.tiny).items() if k in names})
     hf = hf_config(spec, None)
     family = family_for_config(hf)
+    c.rule("trainer.mtp.enabled", MTP_ENABLED_RULE)
+    if c.cfg.trainer.mtp.enabled and checkpoint_mtp_layers(hf)[1] < 1:
+        why = (f"model.tiny.family={spec.family!r}: a {family.name} model has no MTP layers"
+               if not has_mtp_layers(family) else "model.tiny.mtp_layers=0: the tiny model has no MTP layers")
+        c.add("trainer.mtp.enabled", True, f"must be false with {why} (the engines would draft and the policy train "
+                                           "with them)")
     layout_checks(c, family, family.args_from_config(hf))
     return family
 

@@ -143,8 +143,12 @@ class AsyncRLConfig:
     """How generation and training overlap (docs/async.md)."""
 
     # sync: each step generates, scores, trains and syncs the weights in turn; one_step_off: the next step's batch is
-    # generated, with the weights from before this step's update, while this step trains (staleness 1)
+    # generated, with the weights from before this step's update, while this step trains (staleness 1);
+    # fully_async: the engines keep generating the coming batches and a sync updates them under running requests
     mode: str = "sync"
+    # fully_async: the most policy updates between the weights a batch starts on and the policy that trains it (a
+    # batch starts only within it); 0 = sync's schedule
+    max_staleness: int = 1
 
 
 @dataclass
@@ -368,7 +372,7 @@ class TinyModelConfig:
     """Build the embedded tiny model when `model.path` is null (architecture: `family`)."""
 
     # model family of the tiny model: "mimo", "qwen3_5" (hybrid Gated DeltaNet), "deepseek_v3" (MLA + MoE), "glm4_moe",
-    # "qwen3_next", "qwen3_5_moe" (hybrid Gated DeltaNet + MoE)
+    # "qwen3_next", "qwen3_5_moe" (hybrid Gated DeltaNet + MoE), "llama", "qwen3" (dense, no MTP layers)
     family: str = "mimo"
     hidden: int = 128          # hidden size
     layers: int = 2            # decoder layers
@@ -376,7 +380,7 @@ class TinyModelConfig:
     kv_heads: int = 2          # key/value heads (grouped-query attention)
     intermediate: int = 256    # MLP intermediate size
     vocab: int = 512           # vocabulary of the tokenizer trained with it
-    mtp_layers: int = 1        # MTP layers of the checkpoint
+    mtp_layers: int = 1        # MTP layers of the checkpoint (none for llama and qwen3, whatever it says)
     seed: int = 0              # seed of its weights
     # where built tiny checkpoints are cached; null = <cache>/models ($SKYRL_MTP_CACHE, default .cache)
     cache_dir: str | None = None

@@ -113,19 +113,24 @@ def pipeline_stage_checks(c: Checker) -> None:
 
 
 def async_rl_checks(c: Checker) -> None:
-    """trainer.async_rl.mode, and the settings one_step_off cannot work with or has not been tested with yet."""
+    """trainer.async_rl.*, and the settings the async modes cannot work with or have not been tested with yet."""
     c.choice("trainer.async_rl.mode", A.ASYNC_RL_MODES)
     cfg = c.cfg
-    off = cfg.trainer.async_rl.mode == "one_step_off"
-    untested = "with trainer.async_rl.mode=one_step_off (that combination is not tested yet)"
+    mode = cfg.trainer.async_rl.mode
+    c.at_least("trainer.async_rl.max_staleness", 0)
+    c.check("trainer.async_rl.max_staleness", lambda v: v == 1,
+            f"is read only with trainer.async_rl.mode=fully_async (mode={mode!r}); leave it at 1",
+            when=mode != "fully_async")
+    on = mode in ("one_step_off", "fully_async")
+    untested = f"with trainer.async_rl.mode={mode} (that combination is not tested yet)"
     c.check("trainer.placement.colocate", lambda v: not v,
-            "must be false with trainer.async_rl.mode=one_step_off (colocated engines sleep while the policy trains, "
-            "so generation cannot overlap training)", when=off)
+            f"must be false with trainer.async_rl.mode={mode} (colocated engines sleep while the policy trains, "
+            "so generation cannot overlap training)", when=on)
     c.check("trainer.mtp.num_speculative_tokens", lambda v: v != "auto", f"must be a fixed k {untested}",
-            when=off and bool(cfg.trainer.mtp.enabled))
-    c.check("generator.pipeline_parallel_size", lambda v: v == 1, f"must be 1 {untested}", when=off)
-    c.check("generator.model_runner", lambda v: v == "v1", f"must be 'v1' {untested}", when=off)
-    c.check("environment.name", lambda v: v == "math", f"must be 'math' {untested}", when=off)
+            when=on and bool(cfg.trainer.mtp.enabled))
+    c.check("generator.pipeline_parallel_size", lambda v: v == 1, f"must be 1 {untested}", when=on)
+    c.check("generator.model_runner", lambda v: v == "v1", f"must be 'v1' {untested}", when=on)
+    c.check("environment.name", lambda v: v == "math", f"must be 'math' {untested}", when=mode == "one_step_off")
 
 
 def validate_config(cfg: DictConfig, *, check_memory: bool = True) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from skyrl_mtp.algorithms.train_batch import Rollout
 from skyrl_mtp.data.datasets import PromptExample
 from skyrl_mtp.envs.multi_turn import MAX_METRICS, SUMMED_METRICS
-from skyrl_mtp.rollout.sampling import SamplingSpec
+from skyrl_mtp.rollout.sampling import SamplingSpec, version_spans
 
 
 @dataclass
@@ -67,8 +67,10 @@ class MathEnvironment:
             group = RolloutGroup(ex)
             for j in range(n_samples):
                 o = outs[i * n_samples + j]
-                group.rollouts.append(Rollout(prompts[i], list(o.token_ids), list(o.logprobs),
-                                              o.finish_reason, group_id=i))
+                r = Rollout(prompts[i], list(o.token_ids), list(o.logprobs), o.finish_reason, group_id=i)
+                if o.weight_versions is not None:   # fully_async: the policy version of each token
+                    r.info["weight_versions"] = o.weight_versions
+                group.rollouts.append(r)
             groups.append(group)
         return groups, {}
 
@@ -116,10 +118,12 @@ class SearchEnvironment:
                 # the retriever failed (on_failure=score): scored 0 and counted, but not trained on, so an
                 # outage does not teach the policy to stop searching
                 mask = [0] * len(mask)
+            info = {"turns": t.num_turns, "finish": t.finish_reason}
+            if t.response_versions:   # fully_async: the policy version of each token
+                info["weight_versions"] = version_spans(t.response_versions)
             groups[t.prompt_index].rollouts.append(
                 Rollout(t.token_ids[:t.prompt_len], list(t.response_ids), list(t.logprobs[t.prompt_len:]), finish,
-                        response_loss_mask=mask, group_id=t.prompt_index,
-                        info={"turns": t.num_turns, "finish": t.finish_reason}))
+                        response_loss_mask=mask, group_id=t.prompt_index, info=info))
         return groups, batch.metrics
 
     def score(self, groups):

@@ -29,6 +29,7 @@ from skyrl_mtp.data.search_protocol import (
 )
 from skyrl_mtp.envs.retriever.client import RetrieverError
 from skyrl_mtp.errors import RunStoppedError
+from skyrl_mtp.rollout.sampling import token_versions
 
 RETRIEVER_ERROR_POLICIES = ("score", "raise")
 FINISH_REASONS = ("answer", "max_turns", "length", "no_action", "search_failed")
@@ -61,6 +62,9 @@ class SearchTrajectory:
     turn_spec: list = field(default_factory=list)          # per policy turn: RequestSpecCounts | None
     search_latencies_s: list[float] = field(default_factory=list)   # per retriever call
     num_search_timeouts: int = 0                                   # retriever calls that failed on a timeout
+    # per response token, the weight version that sampled it (a tool token: that of the turn before it); None when
+    # the engines label no versions (trainer.async_rl.mode=fully_async labels them)
+    response_versions: list[int] | None = None
 
     @property
     def response_ids(self) -> list[int]:
@@ -213,6 +217,7 @@ class MultiTurnSearchGenerator:
         turns = searches = 0
         queries: list[str] = []
         turn_spec: list = []
+        versions: list[int] | None = []
         traj = {"failures": 0, "timeouts": 0, "latencies": []}
         answer, finish = None, None
         while finish is None:
@@ -227,6 +232,8 @@ class MultiTurnSearchGenerator:
                                    "multi-turn rollouts need the sampled tokens' logprobs")
             turns += 1
             turn_spec.append(getattr(out, "spec", None))
+            turn_versions = token_versions(getattr(out, "weight_versions", None), len(toks))
+            versions = None if versions is None or turn_versions is None else versions + turn_versions
             ids += toks
             mask += [1] * len(toks)
             lps += [float(x) for x in lp[: len(toks)]]
@@ -251,5 +258,7 @@ class MultiTurnSearchGenerator:
                     ids += info
                     mask += [0] * len(info)
                     lps += [0.0] * len(info)
+                    if versions is not None:   # not sampled: labelled like the turn that asked for them
+                        versions += versions[-1:] * len(info)
         return SearchTrajectory(prompt_index, len(prompt), ids, mask, lps, turns, searches, traj["failures"],
-                                finish, answer, queries, turn_spec, traj["latencies"], traj["timeouts"])
+                                finish, answer, queries, turn_spec, traj["latencies"], traj["timeouts"], versions)

@@ -7,7 +7,8 @@ chat template. Families (``TinyModelSpec.family``):
 - "qwen3_5": Qwen3.5 dense, `Qwen3_5ForCausalLM`: Gated DeltaNet and gated full-attention layers
   alternating (every 2nd layer full attention), `mtp_num_hidden_layers` (0 or 1) MTP layer ``mtp.*``;
 - "deepseek_v3", "glm4_moe" (tiny_moe.py): MLA / GQA + DeepSeek-style MoE, `num_nextn_predict_layers` MTP
-  layers after the trunk; "qwen3_next", "qwen3_5_moe" (tiny_moe.py): the "qwen3_5" trunk with MoE MLPs.
+  layers after the trunk; "qwen3_next", "qwen3_5_moe" (tiny_moe.py): the "qwen3_5" trunk with MoE MLPs;
+- "llama", "qwen3" (tiny_dense.py): dense models WITHOUT MTP layers (`mtp_layers` is read as 0 for them).
 
 Heads:
 - "random": a freshly initialised trunk and MTP head (the default; the head starts untrained).
@@ -34,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from skyrl_mtp.cache_dirs import is_complete, private_build_dir, publish
+from skyrl_mtp.models.tiny_dense import DENSE_FAMILIES, build_dense_weights, dense_hf_config
 from skyrl_mtp.models.tiny_qwen3_5 import (
     build_qwen3_5_weights,
     qwen3_5_hf_config,
@@ -44,7 +46,7 @@ HEADS = ("random", "oracle", "partial", "trigram")
 ROPE_THETA = 10000.0
 # the trigram target's attention logit gap between the previous position and any other, in nats
 PREVIOUS_TOKEN_GAP = 20.0
-FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")
+FAMILIES = ("mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", *DENSE_FAMILIES)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
                "<think>", "</think>")
@@ -75,6 +77,8 @@ class TinyModelSpec:
     family: str = "mimo"
 
     def __post_init__(self) -> None:
+        if self.family in DENSE_FAMILIES and self.mtp_layers:   # they have none: one spec (and cache key) per model
+            object.__setattr__(self, "mtp_layers", 0)
         bad = spec_problems(self)
         if bad:
             name, allowed = bad[0]
@@ -299,6 +303,8 @@ def hf_config(spec: TinyModelSpec, tokenizer) -> dict:
 
     if spec.family == "qwen3_5":
         return qwen3_5_hf_config(spec, tokenizer)
+    if spec.family in DENSE_FAMILIES:
+        return dense_hf_config(spec, tokenizer)
     if spec.family in MOE_FAMILIES:
         return moe_hf_config(spec, tokenizer)
     return {
@@ -351,6 +357,8 @@ def build_spec_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
 
     if spec.family == "qwen3_5":
         return build_qwen3_5_weights(spec)
+    if spec.family in DENSE_FAMILIES:
+        return build_dense_weights(spec)
     if spec.family in MOE_FAMILIES:
         return build_moe_weights(spec)
     return build_weights(spec)

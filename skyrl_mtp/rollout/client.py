@@ -250,6 +250,20 @@ class EngineClient:
 
         ray.get([a.reset_prefix_cache.remote() for a in self._actors])
 
+    def pause_generation(self) -> None:
+        """Every engine stops scheduling and keeps its requests (InferenceEngine.pause_generation): a weight sync
+        may then run under them. Generate calls in flight stay in flight until `resume_generation`."""
+        import ray
+
+        ray.get([a.pause_generation.remote() for a in self._actors])
+
+    def resume_generation(self, weight_version: int) -> None:
+        """Label the engines' weights `weight_version` (their tokens from here on carry it) and resume every
+        engine; on engines that are not paused it only labels."""
+        import ray
+
+        ray.get([a.resume_generation.remote(int(weight_version)) for a in self._actors])
+
     def sleep(self, level: int) -> None:
         """Colocation: release the engines' GPU memory while the policy trains (a no-op in vLLM's CPU worker)."""
         import ray

@@ -87,7 +87,17 @@ def completion_to_output(completion: Any) -> GenerationOutput:
     if reason not in FINISH_REASONS:
         raise RuntimeError(f"vLLM request ended with finish_reason={reason!r} (expected one of {FINISH_REASONS})")
     return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-                            text=completion.text or "", spec=request_spec_counts(completion))
+                            text=completion.text or "", spec=request_spec_counts(completion),
+                            weight_versions=weight_version_spans(completion))
+
+
+def weight_version_spans(completion: Any) -> list[tuple[int, int, int]] | None:
+    """vLLM's per-token weight-version spans of a finished output as (version, start, end); None where a span
+    carries no numeric label (vLLM's "default": the engine was never labelled)."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans or not all(str(s.version).isdigit() for s in spans):
+        return None
+    return [(int(s.version), int(s.start), int(s.end)) for s in spans]
 
 
 def request_spec_counts(completion: Any) -> RequestSpecCounts | None:
@@ -259,6 +269,7 @@ class InferenceEngine:
                                             check=cfg.weight_transfer_backend not in WORKER_CHECKED_BACKENDS,
                                             log=self._log)
         self._in_flight = 0
+        self._paused = False   # pause_generation(): requests kept, nothing scheduled until resume_generation()
         self._closed = False
         # a generate call with stop strings, or one that raised, ended since the last scrape: its last steps may
         # be recorded after it returned (spec_counters)
@@ -342,7 +353,7 @@ class InferenceEngine:
             for _ in range(50):
                 await asyncio.sleep(0.002)
                 cur = read_counters()
-                if cur == prev and self._in_flight == 0:
+                if cur == prev and (self._in_flight == 0 or self._paused):
                     break
                 prev = cur
             cur = prev   # the last snapshot (stable, or the latest after 50 tries)
@@ -434,6 +445,24 @@ class InferenceEngine:
         """Close an open session without finishing it (the sync failed elsewhere): see update_session.py."""
         return await self._updates.abort("the trainer stopped the sync (it failed on another engine or rank)")
 
+    async def pause_generation(self) -> None:
+        """Stop scheduling without dropping a request (vLLM's keep mode), for a weight update under running
+        requests. `clear_cache=True` preempts every running request: its KV blocks are freed and its pending
+        drafts cleared, so on resume it is prefilled again and drafted afresh by the new weights (no KV or draft
+        of the old weights survives the update); each request keeps its seeded generator, so position-keyed
+        sampling continues at the token it stopped at."""
+        self._log("pause_generation")
+        await self._engine.pause_generation(mode="keep", clear_cache=True)
+        self._paused = True
+
+    async def resume_generation(self, weight_version: int) -> None:
+        """Label the weights the engine now holds (vLLM tags every output token with the label it was sampled
+        under) and resume scheduling; on an engine that is not paused it only labels."""
+        await self._engine.update_weight_version(str(int(weight_version)))
+        self._log("resume_generation", int(weight_version))
+        self._paused = False
+        await self._engine.resume_generation()
+
     async def reset_prefix_cache(self) -> None:
         """Required after every weight update: cached KV blocks were computed with the old weights."""
         self._log("reset_prefix_cache")
@@ -456,7 +485,7 @@ class InferenceEngine:
             self._engine.shutdown()
 
     def _require_idle(self, what: str) -> None:
-        if self._in_flight:
+        if self._in_flight and not (self._paused and what == "update weights"):
             raise RuntimeError(f"engine {self.engine_index}: cannot {what} while {self._in_flight} generate calls "
-                               "are in flight; sync weights between rollouts")
+                               "are in flight; sync weights between rollouts, or pause the engine first (pause_generation)")
 

@@ -100,6 +100,34 @@ class GenerationOutput:
     finish_reason: str
     text: str = ""
     spec: RequestSpecCounts | None = None   # None when the engine does not draft (or did not report)
+    # (version, start, end): output tokens [start, end) were sampled by the weights labelled `version` (the policy
+    # updates they hold); None when the engine's weights carry no numeric label
+    weight_versions: list[tuple[int, int, int]] | None = None
+
+
+def token_versions(spans: list[tuple[int, int, int]] | None, num_tokens: int) -> list[int] | None:
+    """Per-token weight versions from (version, start, end) spans covering `num_tokens` tokens; None for None."""
+    if spans is None:
+        return None
+    out: list[int] = []
+    for version, start, end in spans:
+        if start != len(out) or end < start:
+            raise ValueError(f"weight-version spans {spans} are not contiguous from token 0")
+        out += [version] * (end - start)
+    if len(out) != num_tokens:
+        raise ValueError(f"weight-version spans {spans} cover {len(out)} tokens, the output has {num_tokens}")
+    return out
+
+
+def version_spans(versions: list[int]) -> list[tuple[int, int, int]]:
+    """(version, start, end) spans of a per-token version list (the inverse of token_versions)."""
+    spans: list[tuple[int, int, int]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1][0] == v:
+            spans[-1] = (v, spans[-1][1], i + 1)
+        else:
+            spans.append((v, i, i + 1))
+    return spans
 
 
 def validate_prompts(prompts: Any, vocab_size: int | None = None, max_model_len: int | None = None) -> None:

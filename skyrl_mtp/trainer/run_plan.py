@@ -188,7 +188,9 @@ class LoopConfig:
     # with head_max_depths: the share of each step's time allowed for keeping an idle head aligned
     idle_head_train_budget: float = 1.0
     num_engines: int = 1             # engines run side by side (their drafting savings are averaged)
-    async_mode: str = "sync"         # trainer.async_rl.mode: "sync" or "one_step_off"
+    async_mode: str = "sync"         # trainer.async_rl.mode: "sync", "one_step_off" or "fully_async"
+    max_staleness: int = 1           # trainer.async_rl.max_staleness (fully_async)
+    num_speculative_tokens: int = 0  # the engines' k (0: they do not draft); fully_async's per-version acceptance
 
 
 def policy_loss_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -225,7 +227,8 @@ def loop_config(cfg: DictConfig) -> LoopConfig:
         keep_last=int(t.checkpoint.keep_last), resume=str(t.resume), progress_bar=bool(t.progress_bar),
         run_dir=str(t.run_dir), head_max_depths=head_max_depths,
         idle_head_train_budget=float(t.mtp.idle_head_train_budget) if head_max_depths is not None else 1.0,
-        num_engines=int(cfg.generator.num_engines), async_mode=str(t.async_rl.mode))
+        num_engines=int(cfg.generator.num_engines), async_mode=str(t.async_rl.mode),
+        max_staleness=int(t.async_rl.max_staleness), num_speculative_tokens=rollout_speculative_tokens(cfg))
 
 
 def head_depths_follow_engines(cfg: DictConfig) -> int | None:

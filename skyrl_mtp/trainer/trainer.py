@@ -1,7 +1,9 @@
 """The RL step loop: generate -> reward -> dynamic sampling -> GRPO -> DAPO + draft loss -> sync -> log -> checkpoint.
 
-With trainer.async_rl.mode=one_step_off the next step's batch is generated in the background (prefetch.py) with
-the weights from before this step's update while this step trains; the loop waits for it before the sync.
+In the async modes a producer thread (rollout_producer.py) generates the coming steps' batches while the policy
+trains: one_step_off keeps it one version ahead and waits for its running batch before the sync (no weight changes
+under a running request); fully_async lets it run max_staleness versions ahead and syncs under its running
+requests, the engines paused.
 
 `RLTrainer` owns the engines (an `EngineClient`), the policy (a `PolicyGroup` of Megatron
 workers), an `Environment`, the run directory and the tracker. Everything it computes itself
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -27,8 +30,15 @@ from skyrl_mtp.envs.environments import Environment, RolloutGroup
 from skyrl_mtp.errors import EngineDiedError, NonFiniteMetricError
 from skyrl_mtp.mtp.draft_depths import HeadTrainingCredit, depths_to_train
 from skyrl_mtp.rollout.sampling import SamplingSpec
+from skyrl_mtp.rollout.spec_metrics import SpecCounters, sum_counters, summarize_window
 from skyrl_mtp.trainer.finite_guard import check_update_metrics
-from skyrl_mtp.trainer.prefetch import GeneratedBatch, RolloutPrefetch, load_pending, save_pending
+from skyrl_mtp.trainer.rollout_producer import (
+    GeneratedBatch,
+    RolloutProducer,
+    load_pending,
+    save_pending,
+    staleness,
+)
 from skyrl_mtp.trainer.run_dir import RunDir, read_trainer_state
 from skyrl_mtp.trainer.run_plan import LoopConfig
 from skyrl_mtp.trainer.step_timer import StepTimer
@@ -82,8 +92,14 @@ class RLTrainer:
         # aligned, vs what its training costs)
         self.head_credit = HeadTrainingCredit(loop.idle_head_train_budget)
         # one_step_off: the next step's batch, generated while this step trains (None in sync mode)
-        self.prefetch = RolloutPrefetch() if loop.async_mode == "one_step_off" else None
-        self.pending: GeneratedBatch | None = None   # a batch generated for the next step (prefetched or resumed)
+        # async modes: the thread generating the coming steps' batches (built at the first step, after a resume)
+        self.producer: RolloutProducer | None = None
+        # batches generated for the next steps, in order, held by the checkpoint resumed from
+        self.pending: list[GeneratedBatch] = []
+        # fully_async: the engines' counters when the current weight version's window opened, and the counts of
+        # evaluations since (not part of the version's generation)
+        self._version_open: SpecCounters | None = None
+        self._version_excluded = SpecCounters()
         # the off-policy correction reads the engine's logprobs of the sampled tokens (the behaviour policy's)
         self.keep_behaviour_logprobs = "off_policy_correction" in self.loss_kwargs
 
@@ -99,7 +115,7 @@ class RLTrainer:
         if "head_credit" in state:   # checkpoints written before it was saved start the credit afresh
             self.head_credit.load_state_dict(state["head_credit"])
         self.step = int(state["step"])
-        self.pending = load_pending(latest)   # one_step_off: the batch generated before the checkpoint's update
+        self.pending = load_pending(latest)   # async modes: the batches generated before the checkpoint's update
         self.log(f"resumed from {latest} (step {self.step})")
         return self.step
 
@@ -126,13 +142,14 @@ class RLTrainer:
 
             self.log = log_above_bar
         try:
+            self._start_producer()
             while self.step < total:
                 history.append(self.train_step())
                 if bar is not None:
                     bar.update(1)
         finally:
-            if self.prefetch is not None:
-                self.prefetch.close()
+            if self.producer is not None:
+                self.producer.close()
             self.log = log
             if bar is not None:
                 bar.close()
@@ -228,17 +245,37 @@ class RLTrainer:
                                              None if masks is None else masks[sl]))
         return batches
 
+    def _start_producer(self) -> None:
+        """Async modes: start generating (fully_async: the engines' weights labelled with their version first)."""
+        mode = self.loop.async_mode
+        if mode == "sync" or self.producer is not None:
+            return
+        if mode == "fully_async":
+            self.engines.resume_generation(self.step)
+            if self.loop.num_speculative_tokens:   # the acceptance window of the version the engines hold opens
+                self._version_open = self._engine_counters()
+        self.producer = RolloutProducer(self._background_batch, next_index=self.step + len(self.pending),
+                                        stop_index=self.loop.total_steps, version=self.step,
+                                        max_staleness=self.loop.max_staleness if mode == "fully_async" else 1,
+                                        ready=self.pending)
+        self.pending = []
+        self.producer.start()
+
     def _take_batch(self, timer: StepTimer) -> GeneratedBatch:
-        """This step's batch: the one generated for it ahead (prefetched, or held by the checkpoint resumed
-        from), else generated now with the engines' current weights."""
-        if self.pending is not None:
-            batch, self.pending = self.pending, None
-            if batch.step != self.step + 1:
-                raise RuntimeError(f"the batch generated ahead is for step {batch.step}, not step {self.step + 1}")
-            return batch
-        with timer.phase("generate"):
-            groups, metrics = self._generate(timer, self.step)
-        return GeneratedBatch(self.step + 1, self.step, groups, metrics)
+        """This step's batch: the producer's (async modes), or one held by the checkpoint resumed from, else
+        generated now with the engines' current weights."""
+        if self.producer is not None:
+            with timer.phase("wait_rollout"):
+                batch = self.producer.take()
+        elif self.pending:
+            batch = self.pending.pop(0)
+        else:
+            with timer.phase("generate"):
+                groups, metrics = self._generate(timer, self.step)
+            return GeneratedBatch(self.step + 1, self.step, groups, metrics)
+        if batch.step != self.step + 1:
+            raise RuntimeError(f"the batch generated ahead is for step {batch.step}, not step {self.step + 1}")
+        return batch
 
     def _background_batch(self, step_index: int, version: int) -> GeneratedBatch:
         timer = StepTimer(self.clock)
@@ -246,40 +283,30 @@ class RLTrainer:
             groups, metrics = self._generate(timer, step_index)
         return GeneratedBatch(step_index + 1, version, groups, metrics, dict(timer.totals))
 
-    def _start_prefetch(self) -> None:
-        """one_step_off: generate the next step's batch with the engines' weights (this step's are not trained
-        yet) while this step trains; the last step prefetches nothing."""
-        if self.prefetch is None or self.step + 1 >= self.loop.total_steps:
-            return
-        step_index, version = self.step + 1, self.step
-        self.prefetch.start(lambda: self._background_batch(step_index, version))
-
-    def _finish_prefetch(self, timer: StepTimer, metrics: dict[str, float]) -> None:
-        """Wait for the prefetched batch (before the sync: no weight changes under a running request)."""
-        if self.prefetch is None or not self.prefetch.running:
-            return
-        with timer.phase("wait_rollout"):
-            self.pending = self.prefetch.wait()
-        background = sum(self.pending.seconds.values())
-        metrics.update({f"timing/background/{k}_s": round(v, 4) for k, v in self.pending.seconds.items()})
-        # the next batch's generation time the trainer did not wait for (timing/wait_rollout_s): it ran while
-        # this step trained
-        metrics["timing/overlap_s"] = round(max(background - timer.totals["wait_rollout"], 0.0), 4)
-
     def train_step(self) -> dict[str, float]:
+        self._start_producer()   # async modes, first step of this process
         timer = StepTimer(self.clock)
+        busy_before = self.producer.busy_seconds() if self.producer is not None else 0.0
         batch = self._take_batch(timer)
         groups, metrics = batch.groups, batch.metrics
-        if self.prefetch is not None:
-            staleness = float(self.step - batch.version)   # policy updates between generating and training it
-            metrics["async/staleness_mean"] = metrics["async/staleness_max"] = staleness
-        self._start_prefetch()
+        if self.producer is not None:
+            mean, worst, newer = staleness([r for g in groups for r in g.rollouts], self.step, batch.version)
+            metrics.update({"async/staleness_mean": mean, "async/staleness_max": worst,
+                            **{f"timing/background/{k}_s": round(v, 4) for k, v in batch.seconds.items()}})
+            if self.loop.async_mode == "fully_async":
+                metrics["async/tokens_after_update_frac"] = newer
         try:
-            return self._train_on(groups, metrics, timer)
+            metrics = self._train_on(groups, metrics, timer)
         except BaseException:
-            if self.prefetch is not None:
-                self.prefetch.drain()   # no request left running on the engines behind the error
+            if self.producer is not None:
+                self.producer.close()   # its running batch finishes (no request left behind the error)
             raise
+        if self.producer is not None:   # the part of the step in which the engines had nothing to generate
+            busy = self.producer.busy_seconds() - busy_before
+            metrics["timing/engines_idle_s"] = round(max(metrics["timing/step_s"] - busy, 0.0), 4)
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.tracker.log(numeric, step=self.step)
+        return {"step": self.step, **numeric}
 
     def _train_on(self, groups: list[RolloutGroup], metrics: dict[str, float], timer: StepTimer) -> dict[str, float]:
         if self.weight_sync is not None and self.weight_sync.colocate:
@@ -324,9 +351,19 @@ class RLTrainer:
             metrics["train/head_seconds"] = sum(p.get("mtp/train_seconds", 0.0) for p in parts)
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
-        self._finish_prefetch(timer, metrics)
+        if self.loop.async_mode == "one_step_off":
+            with timer.phase("wait_rollout"):   # the next batch is finished before the sync: no weight changes
+                self.producer.wait_idle()       # under a running request (nothing new starts until the version)
+        with self.producer.held() if self.producer is not None else nullcontext():
+            return self._sync_and_log(metrics, timer, head)
+
+    def _sync_and_log(self, metrics: dict[str, float], timer: StepTimer, head: dict[str, Any]) -> dict[str, float]:
+        """The step's sync, evaluation and checkpoint (async modes: with the producer held)."""
         with timer.phase("sync"):
-            metrics.update(self.sync_weights(head_changed=head.get("train_head", True)))
+            if self.loop.async_mode == "fully_async":
+                metrics.update(self._sync_in_flight(head.get("train_head", True), timer))
+            else:
+                metrics.update(self.sync_weights(head_changed=head.get("train_head", True)))
         if "train_head" in head:
             # what keeping the head costs: its training, and pushing it to the engines (a step that leaves the
             # head as it was pushes the main model only); the allowance is a share of the step without that
@@ -338,21 +375,59 @@ class RLTrainer:
             self.head_credit.allow(sum(timer.totals.values()) - head_cost)
         self.step += 1
         loop = self.loop
-        if loop.eval_every_n_steps and (self.step % loop.eval_every_n_steps == 0 or self.step == loop.total_steps):
-            with timer.phase("eval"):
-                metrics.update(self.evaluate())
+        if self.producer is not None:
+            self.producer.set_version(self.step)
+        evaluating = bool(loop.eval_every_n_steps) and (self.step % loop.eval_every_n_steps == 0
+                                                        or self.step == loop.total_steps)
         every = loop.checkpoint_every_n_steps
-        if every and (self.step % every == 0 or self.step == loop.total_steps):
+        checkpointing = bool(every) and (self.step % every == 0 or self.step == loop.total_steps)
+        if self.producer is not None and (evaluating or checkpointing):
+            with timer.phase("wait_rollout"):   # eval alone on the engines; no half-generated batch saved
+                self.producer.wait_idle()
+        if evaluating:
+            with timer.phase("eval"):
+                before = self._engine_counters() if self._version_open is not None else None
+                metrics.update(self.evaluate())
+                if before is not None:
+                    self._version_excluded = self._version_excluded + (self._engine_counters() - before)
+        if checkpointing:
             with timer.phase("checkpoint"):
                 self.save_checkpoint()
         metrics.update(timer.metrics())
-        if "timing/overlap_s" in metrics:   # one_step_off: the part of the step the engines had nothing to do
-            busy = sum(v for k, v in metrics.items() if k.startswith("timing/background/"))
-            busy += metrics.get("timing/generate_s", 0.0) + metrics.get("timing/reward_s", 0.0)   # its own batch
-            metrics["timing/engines_idle_s"] = round(max(metrics["timing/step_s"] - busy, 0.0), 4)
-        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        self.tracker.log(numeric, step=self.step)
-        return {"step": self.step, **numeric}
+        return metrics
+
+    def _engine_counters(self) -> SpecCounters:
+        return sum_counters(self.engines.per_engine_counters())
+
+    def _sync_in_flight(self, head_changed: bool, timer: StepTimer) -> dict[str, float]:
+        """fully_async: sync under the producer's running batch, if any: its requests are paused (kept), the
+        target and the drafter updated in the same pause, the weights labelled with the new version, the
+        requests resumed on them. Also closes the acceptance window of the version being replaced."""
+        out: dict[str, float] = {}
+        paused = self.producer.generating
+        if paused:
+            with timer.phase("pause"):
+                self.engines.pause_generation()
+        try:
+            if self.loop.num_speculative_tokens:
+                out.update(self._close_version_window())
+            out.update(self.sync_weights(head_changed=head_changed))
+        finally:
+            self.engines.resume_generation(self.step + 1)
+        out["async/sync_under_requests"] = float(paused)
+        return out
+
+    def _close_version_window(self) -> dict[str, float]:
+        """Acceptance of the drafts made on the weights being replaced (version `self.step`), evaluations left
+        out: the engines are paused or idle, so their counters are final for that version."""
+        now = self._engine_counters()
+        opened, self._version_open = self._version_open or now, now
+        excluded, self._version_excluded = self._version_excluded, SpecCounters()
+        window = summarize_window(now - opened - excluded, "version", self.loop.num_speculative_tokens, 0.0)
+        keep = ("draft_acceptance_rate", "mean_acceptance_length", "num_draft_tokens", "generated_tokens")
+        out = {f"async/version_{k}": window[f"rollout/version/{k}"] for k in keep}
+        out["async/version"] = float(self.step)
+        return out
 
     def _stop_if_not_finite(self, update: dict[str, float], where: str, metrics: dict[str, float],
                             timer: StepTimer) -> None:
@@ -383,8 +458,9 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         staging = self.run_dir.staging_dir(self.step)
         self.policy.save_checkpoint(str(staging))
-        if self.pending is not None:   # one_step_off: the next step's batch, generated before this update
-            save_pending(staging, self.pending)
+        pending = self.producer.ready_batches() if self.producer is not None else self.pending
+        if pending:   # async modes: the next steps' batches, generated before this update
+            save_pending(staging, pending)
         state = {"step": self.step, "data": self.data.state_dict(), "head_credit": self.head_credit.state_dict()}
         path = self.run_dir.commit(staging, self.step, state, self.loop.keep_last)
         self.log(f"checkpoint: {path}")

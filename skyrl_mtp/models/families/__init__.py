@@ -20,12 +20,14 @@ from skyrl_mtp.models.families.base import (
 )
 from skyrl_mtp.models.families.deepseek_v3 import DEEPSEEK_V3
 from skyrl_mtp.models.families.glm4_moe import GLM4_MOE
+from skyrl_mtp.models.families.llama import LLAMA
 from skyrl_mtp.models.families.mimo import MIMO
+from skyrl_mtp.models.families.qwen3 import QWEN3
 from skyrl_mtp.models.families.qwen3_5 import QWEN3_5
 from skyrl_mtp.models.families.qwen3_5_moe import QWEN3_5_MOE
 from skyrl_mtp.models.families.qwen3_next import QWEN3_NEXT
 
-FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE)
+FAMILIES: tuple[ModelFamily, ...] = (MIMO, QWEN3_5, DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE, LLAMA, QWEN3)
 
 
 def family_for_config(hf_cfg: dict) -> ModelFamily:

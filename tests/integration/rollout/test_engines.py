@@ -172,6 +172,74 @@ def test_sync_random_to_oracle_raises_acceptance_and_back_lowers_it(engine_pool,
     _assert_random_acceptance(m, 3)
 
 
+def test_an_update_under_running_requests_keeps_them_and_they_finish_on_the_new_weights(engine_pool, refs,
+                                                                                         random_ckpt, oracle_ckpt):
+    """trainer.async_rl.mode=fully_async's in-flight update on a real engine: two long requests on the random
+    weights (labelled 0), one greedy and one seeded T=1, are paused mid-generation (kept), target and drafter
+    synced to the oracle checkpoint in the pause, labelled 1, resumed. Each output's weight-version spans split
+    it where the update came; the tokens before it are the random weights' (a plain engine's, seeded sampling
+    included: the pause kept each request's generator); the greedy tokens after it, and their logprobs, are
+    the oracle weights' continuation of that prefix (a KV entry of the old weights kept past the update would
+    change them); the drafts of the version-0 window are the random head's (acceptance ~0), those after it
+    the oracle head's."""
+    import threading
+
+    k3, nospec, k1 = engine_pool.get("k3", "nospec", "k1")   # random weights; random weights; oracle weights
+    n = 180
+    specs = [SamplingSpec(temperature=0.0, max_tokens=n, ignore_eos=True),
+             SamplingSpec(temperature=1.0, max_tokens=n, ignore_eos=True, seed=7)]
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    k3.resume_generation(0)
+    [start] = k3.per_engine_counters()
+    base = start.generated_tokens
+    outs: list = [None, None]
+
+    def run(i):
+        outs[i] = k3.generate_sync([prompts[i]], specs[i])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(c.generated_tokens for c in k3.per_engine_counters()) - base < 40 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    k3.pause_generation()
+    at_pause = k3.per_engine_counters()
+    assert all(t.is_alive() for t in threads), "a request finished before the pause: make them longer"
+    assert sum(c.generated_tokens for c in at_pause) - base < 2 * n
+    k3.sync_weights(_weights(oracle_ckpt))
+    k3.resume_generation(1)
+    for t in threads:
+        t.join(timeout=120)
+    after = k3.per_engine_counters()
+    k3.sync_weights(_weights(random_ckpt))                 # back to what the later tests expect
+
+    cuts = []
+    for o in outs:
+        assert len(o.token_ids) == n
+        (v0, s0, cut), (v1, cut1, end) = o.weight_versions
+        assert (v0, s0, v1, cut1, end) == (0, 0, 1, cut, n) and 0 < cut < n, o.weight_versions
+        cuts.append(cut)
+    greedy, seeded = outs
+    g_cut, s_cut = cuts
+    before = nospec.generate_sync([prompts[0]], SamplingSpec(temperature=0.0, max_tokens=g_cut))[0]
+    assert greedy.token_ids[:g_cut] == before.token_ids
+    before = nospec.generate_sync([prompts[1]], SamplingSpec(temperature=1.0, max_tokens=s_cut, seed=7))[0]
+    assert seeded.token_ids[:s_cut] == before.token_ids
+    cont = k1.generate_sync([prompts[0] + greedy.token_ids[:g_cut]],
+                            SamplingSpec(temperature=0.0, max_tokens=n - g_cut, ignore_eos=True))[0]
+    assert greedy.token_ids[g_cut:] == cont.token_ids
+    assert greedy.logprobs[g_cut:] == pytest.approx(cont.logprobs, abs=1e-4)
+    v0 = at_pause[0] - start
+    v1 = after[0] - at_pause[0]
+    assert v0.num_draft_tokens > 0 and v1.num_draft_tokens > 0
+    assert v0.num_accepted_tokens / v0.num_draft_tokens <= 0.1
+    assert v1.num_accepted_tokens / v1.num_draft_tokens >= 0.5
+    print(f"in-flight update: cut at tokens {cuts} of {n}; acceptance v0 "
+          f"{v0.num_accepted_tokens / v0.num_draft_tokens:.3f} ({v0.num_draft_tokens:.0f} drafts), v1 "
+          f"{v1.num_accepted_tokens / v1.num_draft_tokens:.3f} ({v1.num_draft_tokens:.0f} drafts)")
+
+
 def test_bad_weight_updates_are_rejected_and_engine_keeps_serving(engine_pool, refs, oracle_ckpt):
     k1 = engine_pool.get("k1")                              # on the oracle weights
     good = _weights(oracle_ckpt)

@@ -3,9 +3,13 @@
 Run A trains a few steps of the tiny DAPO recipe with MTP speculative decoding and checkpoints. Run B resumes a
 copy of A from its step-2 checkpoint, must reproduce A's step 3, then loses its engine in step 4's rollout: the
 run stops naming the engine and leaves its last checkpoint untouched. Run A0 repeats A with the draft loss weight
-0: drafting with k = 3 in both, the policy is untouched by draft training (bitwise, thanks to draft-invariant
-sampling). Two more runs do the same one step off (trainer.async_rl.mode=one_step_off) with the TIS correction
-reading the engine's logprobs (resuming one step off is covered with fakes in tests/unit/trainer/test_one_step_off.py).
+0 and trainer.async_rl.mode=fully_async at max_staleness 0: drafting with k = 3 in both, the policy is untouched by
+draft training (bitwise, thanks to draft-invariant sampling) and fully async at staleness 0 is sync, step for step
+(one run checks both: either difference would show). Two more runs do the same one step off
+(trainer.async_rl.mode=one_step_off) with the TIS correction reading the engine's logprobs, and a copy of one of
+them resumes from its step-2 checkpoint (which holds the batch generated ahead) and repeats step 3. The runs go two
+at a time (each keeps about one core busy): A with the first one-step-off run, then B with A0, then the second
+one-step-off run with the resumed copy.
 """
 
 from __future__ import annotations
@@ -44,12 +48,25 @@ RUN_A = [*SMALL, "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2", 
          "trainer.mtp.num_speculative_tokens=3", "trainer.mtp.loss_type=topk_soft_ce", "megatron.mtp_loss_topk=16"]
 
 
+OSF = [*SMALL, "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=2", "trainer.eval_every_n_steps=0",
+       "trainer.async_rl.mode=one_step_off", "algorithm.off_policy.correction=tis", "logger.plots=false"]
+
+
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory, cli) -> Path:
-    run = tmp_path_factory.mktemp("rl") / "a"
-    proc = cli([*RUN_A, f"trainer.run_dir={run}"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run
+def first_runs(tmp_path_factory, cli) -> dict[str, Path]:
+    """Run A and the one-step-off run with the draft loss weight 1, side by side (each keeps about one core busy)."""
+    root = tmp_path_factory.mktemp("rl")
+    runs = {"a": (root / "a", RUN_A), "osf1": (root / "osf1", [*OSF, "trainer.mtp.loss_weight=1.0"])}
+    with ThreadPoolExecutor(2) as pool:
+        procs = {k: pool.submit(cli, [*args, f"trainer.run_dir={run}"]) for k, (run, args) in runs.items()}
+        for proc in procs.values():
+            assert proc.result().returncode == 0, proc.result().stderr[-4000:]
+    return {k: run for k, (run, _) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def run_a(first_runs) -> Path:
+    return first_runs["a"]
 
 
 def test_run_writes_metrics_plots_checkpoints_and_acceptance_rises(run_a):
@@ -103,7 +120,8 @@ def after_a(run_a, tmp_path_factory, cli) -> dict:
     with ThreadPoolExecutor(2) as pool:
         b = pool.submit(cli, [*args_b, f"trainer.run_dir={run_b}"],
                         env_extra={"SKYRL_MTP_FAULT_KILL_ENGINE_AT_STEP": "4"})
-        off = pool.submit(cli, [*RUN_A, f"trainer.run_dir={run_off}", "trainer.mtp.loss_weight=0.0", "logger.plots=false"])
+        off = pool.submit(cli, [*RUN_A, f"trainer.run_dir={run_off}", "trainer.mtp.loss_weight=0.0", "logger.plots=false",
+                                "trainer.async_rl.mode=fully_async", "trainer.async_rl.max_staleness=0"])
         return {"b": (run_b, before, b.result()), "a0": (run_off, off.result())}
 
 
@@ -125,15 +143,24 @@ def test_resume_continues_with_identical_next_step_then_engine_death_is_named_an
     assert not (run_b / "checkpoints" / "step_4").exists()
 
 
-def test_draft_training_leaves_the_policy_bitwise_untouched(run_a, after_a):
+def test_draft_training_leaves_the_policy_bitwise_untouched_and_fully_async_at_staleness_0_is_sync(run_a, after_a):
     # Spec decoding ON in both runs: with the draft loss weight 1 (run A) the head learns and drafts get
     # accepted, with weight 0 it stays random. Draft-invariant sampling makes the seeded T=1 rollouts
-    # independent of the drafts, so everything the policy sees and does must be bitwise equal.
+    # independent of the drafts, so everything the policy sees and does must be bitwise equal. A0 also runs
+    # fully async at max_staleness 0: its producer thread generates each batch once the previous step's weights
+    # are synced, which must change nothing either.
     run_off, proc = after_a["a0"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((run_off / "run_info.json").read_text())["engine_speculative_tokens"] == [3]
     problems, summary = compare_policy_runs(run_a, run_off)
+    # fully async's own metrics exist in A0 only
+    assert problems and all("async/" in p and " vs " in p and p.startswith("step ") for p in problems), problems[:10]
+    problems = [p for p in problems if "async/" not in p]
     assert problems == [], problems[:10]
+    m0 = metrics(run_off)
+    for step in (1, 2, 3):
+        assert m0[step]["async/staleness_max"] == 0.0 and m0[step]["async/sync_under_requests"] == 0.0
+        assert m0[step]["async/version"] == step - 1
     # steps 0-3: step 0 and 3 hold evals, compared too
     assert summary["steps"] == 4 and summary["checkpoint"] == "step_3" and summary["trunk_tensors_compared"] > 10
     on, off = metrics(run_a), metrics(run_off)
@@ -148,25 +175,33 @@ def test_draft_training_leaves_the_policy_bitwise_untouched(run_a, after_a):
     assert mtp and any(not w_on[k].equal(w_off[k]) for k in mtp)
 
 
-def test_one_step_off_is_one_step_stale_and_leaves_the_policy_bitwise_untouched(tmp_path, cli):
+def test_one_step_off_is_one_step_stale_resumes_as_unbroken_and_leaves_the_policy_bitwise_untouched(first_runs,
+                                                                                                   tmp_path, cli):
     # The next batch is generated with the weights from before the current step's update while it trains
     # (staleness 1 from step 2 on); the TIS correction weights the loss with the engine's logprobs. With the
-    # draft loss weight 1 and 0 every policy metric (off_policy/* included) and trunk tensor must be equal.
-    common = [*SMALL, "trainer.total_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every_n_steps=0",
-              "trainer.async_rl.mode=one_step_off", "algorithm.off_policy.correction=tis"]
-    runs = {weight: tmp_path / f"w{weight}" for weight in (1.0, 0.0)}
+    # draft loss weight 1 and 0 every policy metric (off_policy/* included) and trunk tensor must be equal. A copy
+    # of the weight-1 run cut back to its step-2 checkpoint (as if killed after writing it) resumes with the batch
+    # that checkpoint holds and must repeat step 3.
+    runs = {1.0: first_runs["osf1"], 0.0: tmp_path / "w0"}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs[1.0], resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_3")
     with ThreadPoolExecutor(2) as pool:   # side by side: each keeps about one core busy
-        procs = [pool.submit(cli, [*common, f"trainer.run_dir={run}", f"trainer.mtp.loss_weight={weight}",
-                                   "logger.plots=false"]) for weight, run in runs.items()]
+        procs = [pool.submit(cli, [*OSF, f"trainer.run_dir={runs[0.0]}", "trainer.mtp.loss_weight=0.0"]),
+                 pool.submit(cli, [*OSF, f"trainer.run_dir={resumed}", "trainer.mtp.loss_weight=1.0"])]
         for proc in procs:
             assert proc.result().returncode == 0, proc.result().stderr[-4000:]
+    assert "resumed from" in procs[1].result().stderr
+    assert (resumed / "checkpoints" / "step_2" / "pending_rollouts.pkl").exists()
+    assert stable(metrics(resumed)[3]) == stable(metrics(runs[1.0])[3])
     on, off = metrics(runs[1.0]), metrics(runs[0.0])
     assert [on[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [on[s]["async/staleness_mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    for step in (1, 2):   # the next batch was generated while this step trained
-        assert on[step]["timing/background/generate_s"] > 0 and on[step]["timing/overlap_s"] > 0
-        assert on[step]["timing/wait_rollout_s"] >= 0
-    assert "timing/background/generate_s" not in on[3]            # the last step prefetches nothing
+    for step in (1, 2, 3):   # every batch comes from the producer thread
+        assert on[step]["timing/background/generate_s"] > 0 and on[step]["timing/wait_rollout_s"] >= 0
+    for step in (1, 2):      # the next batch was generated during this step: the engines were not idle all along
+        assert on[step]["timing/engines_idle_s"] < on[step]["timing/step_s"]
+    assert on[3]["timing/engines_idle_s"] == on[3]["timing/step_s"]   # the last step generates nothing
     # the correction read the engine's logprobs of batches one update behind: weights differ from 1
     assert all(on[s]["off_policy/log_ratio_abs_mean"] > 0 for s in (2, 3))
     problems, summary = compare_policy_runs(runs[1.0], runs[0.0])

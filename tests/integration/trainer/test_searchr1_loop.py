@@ -1,5 +1,7 @@
 """The tiny SearchR1 recipe end to end on CPU: a real local BM25 retriever over HTTP, multi-turn rollouts
-with MTP speculative decoding in every turn, warm start with tool tokens masked, two RL steps."""
+with MTP speculative decoding in every turn, warm start with tool tokens masked. The first run trains two steps
+fully async (trainer.async_rl.mode=fully_async, max_staleness 1: the second batch starts on the first weights and
+the step-1 sync updates the engines under it); the retriever-failure runs train three steps in sync mode."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ def test_tiny_searchr1_runs_and_logs_reward_and_acceptance(tmp_path, cli):
     proc = cli(["recipe=tiny_searchr1", f"trainer.run_dir={run}", "trainer.total_steps=2",
                 "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0", "trainer.train_batch_size=4",
                 "trainer.policy_mini_batch_size=2", "trainer.progress_bar=false",
-                "algorithm.dynamic_sampling.max_gen_rounds=1", "logger.plots=false"])
+                "algorithm.dynamic_sampling.max_gen_rounds=1", "logger.plots=false",
+                "trainer.async_rl.mode=fully_async", "trainer.async_rl.max_staleness=1"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "retriever: serving" in proc.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -42,6 +45,14 @@ def test_tiny_searchr1_runs_and_logs_reward_and_acceptance(tmp_path, cli):
         assert r["multi_turn/answer_after_search_frac"] > 0.0
         assert 0.0 < r["multi_turn/retriever_latency_mean_s"] < 5.0
         assert r["multi_turn/search_failures"] == 0.0
+    # fully async: batch 1 on version 0 (staleness 0); batch 2 started on version 0 and trains on version 1, its
+    # tokens labelled per turn by the engines (those sampled after the step-1 sync, if any, on version 1)
+    assert rows[0]["async/staleness_max"] == 0.0 and rows[0]["async/version"] == 0.0
+    assert rows[1]["async/staleness_max"] == 1.0
+    assert 0.0 < rows[1]["async/staleness_mean"] <= 1.0
+    assert rows[1]["async/staleness_mean"] == pytest.approx(1.0 - rows[1]["async/tokens_after_update_frac"])
+    print("searchr1 fully async:", [{k: r[k] for k in ("async/sync_under_requests", "async/tokens_after_update_frac")}
+                                    for r in rows])
 
 
 def _start_retriever(corpus, tmp_path):

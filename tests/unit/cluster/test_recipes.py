@@ -86,13 +86,13 @@ RUNNABLE = RECIPES
 
 def test_a_checkpoint_whose_model_the_trainer_cannot_build_is_refused_naming_the_path(tmp_path):
     overrides = user_overrides("mimo7b_dapo", tmp_path)
-    ckpt = tmp_path / "llama"
-    write_config(ckpt, {**FOR_RECIPE["mimo7b_dapo"], "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    ckpt = tmp_path / "gpt2"
+    write_config(ckpt, {**FOR_RECIPE["mimo7b_dapo"], "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(ConfigError) as info:
         load_config(["recipe=mimo7b_dapo", *overrides, f"model.path={ckpt}"])
     (msg,) = info.value.problems
-    assert msg.startswith(f"model.path='{ckpt}' is invalid: its config.json has architectures=['LlamaForCausalLM'] "
-                          "(model_type='llama'), which no model family reads; supported architectures: [")
+    assert msg.startswith(f"model.path='{ckpt}' is invalid: its config.json has architectures=['GPT2LMHeadModel'] "
+                          "(model_type='gpt2'), which no model family reads; supported architectures: [")
     assert "'MiMoForCausalLM'" in msg and "'DeepseekV3ForCausalLM'" in msg
 
 

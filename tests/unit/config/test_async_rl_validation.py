@@ -18,8 +18,11 @@ def _problems(*overrides: str) -> str:
 
 
 @pytest.mark.parametrize("override,words", [
-    ("trainer.async_rl.mode=fully_async", "trainer.async_rl.mode='fully_async' is invalid: must be one of "
-                                          "['sync', 'one_step_off']"),
+    ("trainer.async_rl.mode=fully", "trainer.async_rl.mode='fully' is invalid: must be one of "
+                                    "['sync', 'one_step_off', 'fully_async']"),
+    ("trainer.async_rl.max_staleness=-1", "trainer.async_rl.max_staleness=-1 is invalid: must be >= 0"),
+    ("trainer.async_rl.max_staleness=2", "trainer.async_rl.max_staleness=2 is invalid: is read only with "
+                                         "trainer.async_rl.mode=fully_async (mode='sync'); leave it at 1"),
     ("algorithm.off_policy.correction=is", "algorithm.off_policy.correction='is' is invalid: must be one of "
                                            "['none', 'tis', 'decoupled']"),
     ("algorithm.off_policy.tis_cap=0.5", "algorithm.off_policy.tis_cap=0.5 is invalid: must be >= 1"),
@@ -42,12 +45,18 @@ def test_bad_values_are_refused_naming_the_key(override, words):
     (["generator.model_runner=v2", "trainer.placement.gpus_per_engine=1",
       "trainer.placement.gpus_per_policy_worker=1"],
      "generator.model_runner='v2' is invalid: must be 'v1' with trainer.async_rl.mode=one_step_off"),
-    (["environment.name=search", "data.synthetic=search"],
-     "environment.name='search' is invalid: must be 'math' with trainer.async_rl.mode=one_step_off"),
 ])
-def test_one_step_off_refuses_what_it_cannot_do_or_has_not_been_tested_with(overrides, words):
-    assert words in _problems("trainer.async_rl.mode=one_step_off", *overrides)
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_async_modes_refuse_what_they_cannot_do_or_have_not_been_tested_with(overrides, words, mode):
+    assert words.replace("one_step_off", mode) in _problems(f"trainer.async_rl.mode={mode}", *overrides)
     load_config([*BASE, *overrides])   # each is fine in sync mode
+
+
+def test_multi_turn_rollouts_run_fully_async_only():
+    search = ["environment.name=search", "data.synthetic=search"]
+    assert ("environment.name='search' is invalid: must be 'math' with trainer.async_rl.mode=one_step_off"
+            in _problems("trainer.async_rl.mode=one_step_off", *search))
+    load_config([*BASE, "trainer.async_rl.mode=fully_async", *search])
 
 
 def test_the_settings_reach_the_loop_and_the_loss():
@@ -58,3 +67,5 @@ def test_the_settings_reach_the_loop_and_the_loss():
     assert (kw["off_policy_correction"], kw["tis_cap"], kw["tis_level"]) == ("tis", 3.0, "sequence")
     default = loop_config(load_config(BASE))
     assert default.async_mode == "sync" and "off_policy_correction" not in dict(default.loss_kwargs)
+    fully = loop_config(load_config([*BASE, "trainer.async_rl.mode=fully_async", "trainer.async_rl.max_staleness=0"]))
+    assert (fully.async_mode, fully.max_staleness, fully.num_speculative_tokens) == ("fully_async", 0, 2)

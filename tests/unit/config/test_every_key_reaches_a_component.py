@@ -52,6 +52,7 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.explore_budget": (0.01, {"trainer.mtp.num_speculative_tokens": "auto"}),
     "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),
     "trainer.async_rl.mode": ("one_step_off", {}),
+    "trainer.async_rl.max_staleness": (2, {"trainer.async_rl.mode": "fully_async"}),
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     # experts to spread: a MoE family (a dense one refuses ep > 1)

@@ -83,10 +83,10 @@ def test_a_checkpoint_without_mtp_layers_is_refused_when_drafting_also_by_the_pl
 
 
 def test_an_unknown_architecture_is_named_with_the_supported_ones(capsys, tmp_path):
-    ckpt = stand_in_checkpoint(tmp_path / "m", architectures=["LlamaForCausalLM"], model_type="llama")
+    ckpt = stand_in_checkpoint(tmp_path / "m", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     line = refusal(capsys, tmp_path, "recipe=tiny_dapo", f"model.path={ckpt}")
-    assert line.startswith(f"model.path='{ckpt}' is invalid: its config.json has architectures=['LlamaForCausalLM'] "
-                           "(model_type='llama'), which no model family reads; supported architectures: [")
+    assert line.startswith(f"model.path='{ckpt}' is invalid: its config.json has architectures=['GPT2LMHeadModel'] "
+                           "(model_type='gpt2'), which no model family reads; supported architectures: [")
     assert "'MiMoForCausalLM'" in line and "'Qwen3NextForCausalLM'" in line
 
 

@@ -32,6 +32,7 @@ class Out:
     logprobs: list
     finish_reason: str
     spec: RequestSpecCounts | None = None
+    weight_versions: list | None = None
 
 
 class CharTokenizer:
@@ -51,8 +52,9 @@ class ScriptedEngine:
     """Answers turn k of a prompt (k = number of <information> blocks so far) with script[prompt][k],
     applying max_tokens and stop strings the way vLLM does (the token completing a stop string is kept)."""
 
-    def __init__(self, scripts, delay_s=0.0, spec=None):
+    def __init__(self, scripts, delay_s=0.0, spec=None, versions=None):
         self.scripts, self.delay_s, self.spec = scripts, delay_s, spec or {}
+        self.versions = versions   # per turn: a function of the turn's token count -> weight-version spans
         self.calls, self.in_flight, self.max_in_flight = [], 0, 0
 
     async def generate(self, prompts, sampling):
@@ -80,7 +82,8 @@ class ScriptedEngine:
         else:
             reason = "stop" if ids and ids[-1] == 1 else "length"
         turn = min(ctx.count("<information>"), len(script) - 1)
-        return [Out(ids, [-0.5] * len(ids), reason, self.spec.get(turn))]
+        spans = None if self.versions is None else self.versions[turn](len(ids))
+        return [Out(ids, [-0.5] * len(ids), reason, self.spec.get(turn), spans)]
 
 
 class FakeRetriever:
@@ -96,7 +99,7 @@ class FakeRetriever:
 
 
 def make(scripts, retriever=None, max_turns=3, max_total_len=400, sampling=None, **kw):
-    engine = ScriptedEngine(scripts, kw.pop("delay_s", 0.0), kw.pop("spec", None))
+    engine = ScriptedEngine(scripts, kw.pop("delay_s", 0.0), kw.pop("spec", None), kw.pop("versions", None))
     gen = MultiTurnSearchGenerator(engine, TOK, retriever or FakeRetriever(), max_turns, sampling or Sampling(),
                                    max_total_len=max_total_len, **kw)
     return gen, engine
@@ -272,3 +275,19 @@ def test_single_token_tool_tags_become_stop_token_ids():
     _, engine = make({"a": ["<answer>x</answer>"]})
     _.generate_sync([prompt("a")])
     assert engine.calls[0][1].stop_token_ids == []
+
+
+def test_a_trajectory_across_a_weight_update_keeps_each_tokens_version():
+    """fully_async: the first turn was paused by a weight update after 3 tokens (versions 4 then 5); the tool
+    output is labelled like the turn before it; the second turn ran wholly on version 5."""
+    turn1 = "hmm <search>q</search>"
+    versions = [lambda n: [(4, 0, 3), (5, 3, n)], lambda n: [(5, 0, n)]]
+    gen, _ = make({"a": [turn1, "<answer>x</answer>\x01"]}, versions=versions)
+    (t,) = gen.generate_sync([prompt("a")]).trajectories
+    t1, t2 = len(TOK.encode(turn1)), len(TOK.encode("<answer>x</answer>"))
+    info = len(t.response_ids) - t1 - t2
+    assert t.response_versions == [4] * 3 + [5] * (t1 - 3) + [5] * info + [5] * t2
+    from skyrl_mtp.rollout.sampling import version_spans
+    assert version_spans(t.response_versions) == [(4, 0, 3), (5, 3, t1 + info + t2)]
+    gen, _ = make({"a": [turn1, "<answer>x</answer>\x01"]}, versions=[lambda n: [(4, 0, n)], lambda n: None])
+    assert gen.generate_sync([prompt("a")]).trajectories[0].response_versions is None   # a turn without labels

@@ -48,9 +48,10 @@ def test_family_for_config_picks_by_architecture_then_model_type():
     assert family_for_config(qwen_cfg()).name == "qwen3_5"
     assert family_for_config({"model_type": "qwen3_5_text"}).name == "qwen3_5"
     assert family_for_config({"architectures": ["Qwen3_5ForConditionalGeneration"]}) is QWEN3_5
-    with pytest.raises(ModelBuildError, match=r"architectures=\['LlamaForCausalLM'\].*supported"):
-        family_for_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    assert [f.name for f in FAMILIES] == ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"] and family_by_name("qwen3_5") is QWEN3_5
+    with pytest.raises(ModelBuildError, match=r"architectures=\['GPT2LMHeadModel'\].*supported"):
+        family_for_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    assert [f.name for f in FAMILIES] == ["mimo", "qwen3_5", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe",
+                                          "llama", "qwen3"] and family_by_name("qwen3_5") is QWEN3_5
     with pytest.raises(ModelBuildError, match="'nope' is unknown"):
         family_by_name("nope")
 
@@ -246,7 +247,8 @@ def test_tiny_factory_builds_a_deterministic_qwen3_5_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"family": "llama"}, "family='llama'"),
+    ({"family": "gpt2"}, "family='gpt2'"),
+    ({"family": "llama", "head": "oracle"}, "head='oracle'"),
     ({"family": "qwen3_5", "head": "oracle"}, "head='oracle'"),
     ({"family": "qwen3_5", "mtp_layers": 2}, "mtp_layers=2"),
 ])
