@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 # (label, metric key, format, unit suffix), in the order they are printed
+SPECULATION_FIELDS = ("rollout/train/draft_acceptance_rate", "rollout/train/mean_acceptance_length")
 STEP_LINE_FIELDS = (
     ("reward", "reward/mean", ".3f", ""),
     ("eval", "eval/reward/mean", ".3f", ""),
@@ -32,7 +33,10 @@ def _fmt(value: Any, spec: str) -> str:
 
 def format_step_line(step: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}"]
+    drafted = bool(metrics.get("rollout/train/num_drafts", 0))   # engines that do not draft report acceptance 0
     for label, key, spec, unit in STEP_LINE_FIELDS:
+        if key in SPECULATION_FIELDS and not drafted:
+            continue
         value = metrics.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue

@@ -135,3 +135,13 @@ def test_non_finite_values_are_kept_in_metrics_jsonl(tmp_path):
     row = read_metrics(tmp_path / "metrics.jsonl")[0]
     assert row["policy/loss"] == "nan" and row["mtp/grad_norm"] == "inf" and row["reward/mean"] == 0.5
     assert row["nonfinite_metrics"] == ["mtp/grad_norm", "policy/loss"]
+
+
+def test_the_console_line_shows_acceptance_only_where_the_engines_drafted():
+    from skyrl_mtp.tracking.console import format_step_line
+
+    row = {"reward/mean": 0.5, "rollout/train/draft_acceptance_rate": 0.0, "rollout/train/mean_acceptance_length": 1.0,
+           "rollout/train/tokens_per_s": 100.0}
+    assert format_step_line(1, {**row, "rollout/train/num_drafts": 0.0}) == "step 1  reward 0.500  100 tok/s"
+    assert format_step_line(1, {**row, "rollout/train/num_drafts": 12.0}) == \
+        "step 1  reward 0.500  accept 0.00  len 1.00  100 tok/s"

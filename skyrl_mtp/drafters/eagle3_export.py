@@ -1,0 +1,97 @@
+"""The EAGLE-3 drafter as the checkpoint vLLM 0.32 serves with ``speculative_config={"method": "eagle3",
+"model": <dir>}``, and back.
+
+config.json: ``architectures: ["LlamaForCausalLMEagle3"]`` (vLLM's model registry maps it to
+llama_eagle3.Eagle3LlamaForCausalLM), ``model_type: "llama"`` (transformers' LlamaConfig carries the fields;
+vLLM wraps it in its EAGLEConfig), one layer of the target's shape, the target's RoPE, ``vocab_size`` = the
+target's and no ``draft_vocab_size`` / ``d2t`` (the draft vocabulary IS the target's), and
+``eagle_config.eagle_aux_hidden_state_layer_ids`` (read by GPUModelRunner._get_eagle3_aux_layers_from_config).
+model.safetensors: the module's state_dict as is (``fc.weight``, ``midlayer.*``, ``norm.weight``; vLLM prefixes
+``model.`` and renames ``midlayer.`` to ``layers.0.``), without lm_head or embed_tokens, so vLLM shares the
+target's (a draft weight update must therefore never send those names: they would overwrite the target's).
+``skyrl_mtp_eagle3`` keeps what vLLM does not read but ``load_eagle3`` needs (the target's layer count).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from skyrl_mtp.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+OWN_KEY = "skyrl_mtp_eagle3"
+
+
+def eagle3_hf_config(cfg: Eagle3Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The config.json vLLM reads for the drafter ``cfg``."""
+    from skyrl_mtp.models.families.dense_common import LLAMA3_ROPE_FIXED
+
+    rope = {} if cfg.rope_scaling_factor is None else {
+        "rope_scaling": {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_ROPE_FIXED}}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        **rope,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+        OWN_KEY: {"target_num_layers": cfg.target_num_layers},
+    }
+
+
+def export_eagle3(drafter: Eagle3Drafter, cfg: Eagle3Config, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors for vLLM into ``out_dir``; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    dtype = next(iter(state.values())).dtype
+    (out / "config.json").write_text(json.dumps(eagle3_hf_config(cfg, dtype), indent=2))
+    save_file(state, str(out / WEIGHTS))
+    return out
+
+
+def config_from_export(hf_config: dict) -> Eagle3Config:
+    """The Eagle3Config an exported config.json describes."""
+    scaling = hf_config.get("rope_scaling")
+    return Eagle3Config(
+        hidden_size=hf_config["hidden_size"],
+        intermediate_size=hf_config["intermediate_size"],
+        num_attention_heads=hf_config["num_attention_heads"],
+        num_key_value_heads=hf_config["num_key_value_heads"],
+        head_dim=hf_config["head_dim"],
+        rms_norm_eps=float(hf_config["rms_norm_eps"]),
+        rope_theta=float(hf_config["rope_theta"]),
+        rope_scaling_factor=None if not scaling else float(scaling["factor"]),
+        vocab_size=hf_config["vocab_size"],
+        max_position_embeddings=hf_config["max_position_embeddings"],
+        target_num_layers=hf_config[OWN_KEY]["target_num_layers"],
+        aux_layer_ids=tuple(hf_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+    )
+
+
+def load_eagle3(path: str | Path) -> tuple[Eagle3Drafter, Eagle3Config]:
+    """The drafter and config ``export_eagle3`` wrote to ``path`` (weights in their saved dtype)."""
+    path = Path(path)
+    cfg = config_from_export(json.loads((path / "config.json").read_text()))
+    state = load_file(str(path / WEIGHTS))
+    drafter = Eagle3Drafter(cfg).to(next(iter(state.values())).dtype)
+    drafter.load_state_dict(state, strict=True)
+    return drafter, cfg
