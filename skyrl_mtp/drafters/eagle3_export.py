@@ -25,6 +25,40 @@ from skyrl_mtp.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 OWN_KEY = "skyrl_mtp_eagle3"
+# targets whose vLLM model emits the auxiliary hidden states EAGLE-3 reads (SupportsEagle3 in vLLM 0.32) among the
+# families this project builds; MiMo and GLM-4.5 do not
+EAGLE3_TARGETS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def is_eagle3_tensor(name: str) -> bool:
+    """A tensor of the exported drafter (the weight sync's "draft" part when the engines draft with EAGLE-3); a
+    target checkpoint's names all start with ``model.`` or are ``lm_head.weight``."""
+    return name in ("fc.weight", "norm.weight") or name.startswith("midlayer.")
+
+
+def check_eagle3_export(path: str | Path, target_hf_config: dict) -> None:
+    """Raise ValueError naming what does not fit when ``path`` is no EAGLE-3 export vLLM can serve beside the
+    target of ``target_hf_config``."""
+    where = f"EngineConfig.eagle3_drafter_path={str(path)!r}"
+    archs = target_hf_config.get("architectures") or []
+    if not set(archs) & set(EAGLE3_TARGETS):
+        raise ValueError(f"{where} is invalid: the target's architectures {archs} emit no EAGLE-3 hidden states in "
+                         f"vLLM; allowed targets: {list(EAGLE3_TARGETS)}")
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if ARCHITECTURE not in (cfg.get("architectures") or []):
+        raise ValueError(f"{where} is invalid: its config.json has architectures={cfg.get('architectures')!r}; "
+                         f"allowed: [{ARCHITECTURE!r}] (skyrl_mtp.drafters.eagle3_export.export_eagle3)")
+    for key in ("hidden_size", "vocab_size"):
+        if cfg.get(key) != target_hf_config.get(key):
+            raise ValueError(f"{where} is invalid: its {key}={cfg.get(key)} differs from the target's "
+                             f"{target_hf_config.get(key)}")
+    ids = cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])
+    n = int(target_hf_config.get("num_hidden_layers", 0))
+    if len(ids) != 3 or any(not 0 <= i <= n for i in ids):
+        raise ValueError(f"{where} is invalid: eagle_aux_hidden_state_layer_ids={ids}; allowed: three ids in "
+                         f"0..{n} (the target's num_hidden_layers)")
+    if not (Path(path) / WEIGHTS).is_file():
+        raise ValueError(f"{where} is invalid: no {WEIGHTS} there")
 
 
 def eagle3_hf_config(cfg: Eagle3Config, dtype: torch.dtype = torch.float32) -> dict:

@@ -31,6 +31,18 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
+def engine_weight_schema(cfg: EngineConfig) -> WeightSchema:
+    """The tensors a sync updates: the checkpoint's, and an EAGLE-3 drafter's (names disjoint from the target's)."""
+    schema = read_weight_schema(cfg.model_path)
+    if cfg.eagle3_drafter_path is not None:
+        drafter = read_weight_schema(cfg.eagle3_drafter_path)
+        if clash := sorted(set(drafter) & set(schema)):
+            raise ValueError(f"EngineConfig.eagle3_drafter_path={cfg.eagle3_drafter_path!r} is invalid: its tensors "
+                             f"{clash[:3]} have the target's names")
+        schema = {**schema, **drafter}
+    return schema
+
+
 def engine_process_settings(cfg: EngineConfig, model_family: str | None = None) -> EngineProcessSettings:
     """What the engine's vLLM processes read (engine_process.py), from the engine's config: on vLLM's V2
     runner the V1-only sampling patches are off (EngineConfig.v1_features_off says what that loses)."""
@@ -238,7 +250,7 @@ class InferenceEngine:
 
         self.cfg = cfg
         self.engine_index = engine_index
-        self.schema: WeightSchema = read_weight_schema(cfg.model_path)
+        self.schema: WeightSchema = engine_weight_schema(cfg)
         import torch
 
         on_cpu = not torch.cuda.is_available()

@@ -126,6 +126,9 @@ class CPUWeightTransferEngine(WeightTransferEngine[CPUWeightTransferInitInfo, CP
     def _expected(self):
         if self._schema is None:
             self._schema = read_weight_schema(self.vllm_config.model_config.model)
+            spec = self.vllm_config.speculative_config
+            if spec is not None and spec.method == "eagle3":   # the drafter's own checkpoint: the "draft" part
+                self._schema.update(read_weight_schema(spec.draft_model_config.model))
         return part_schema(self._schema, self._part())
 
     def start_weight_update(self) -> None:

@@ -111,52 +111,61 @@ def predicted(drafter, aux, seqs, embed, lm_head) -> tuple[int, list[int]]:
     return simulate_greedy_spec_decode(accepted_lengths(drafts, seqs), PROMPT, NEW, K)
 
 
-@pytest.fixture
-def one_thread():
-    """Torch on one thread: the drafter's many small steps run ~8x slower on two threads while another process
-    keeps a core of this 2-core machine busy (OpenMP threads wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_trained_eagle3_drafter_serves_losslessly_with_predicted_acceptance(tiny_cache, tmp_path, one_thread):
+@pytest.fixture(scope="module")
+def trained(tiny_cache, tmp_path_factory):
+    """The tiny llama target, an EAGLE-3 drafter before and after training on its greedy continuations (both
+    exported), the prompts served and what greedy drafting with each drafter predicts on them."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_mtp.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from skyrl_mtp.drafters.eagle3_export import export_eagle3, load_eagle3
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
 
-    start = time.monotonic()
-    ckpt = cached_tiny_checkpoint(tiny_cache, TinyModelSpec(seed=0, family="llama"))
-    built = time.monotonic()
-    hf_cfg = json.loads((ckpt / "config.json").read_text())
-    cfg = Eagle3Config.from_target(hf_cfg)
-    assert cfg.aux_layer_ids == (0, 1, 2) and cfg.rope_scaling_factor == 8.0
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # the drafter's many small steps run ~8x slower on two threads beside a busy process
+    tmp_path = tmp_path_factory.mktemp("eagle3")
+    try:
+        start = time.monotonic()
+        ckpt = cached_tiny_checkpoint(tiny_cache, TinyModelSpec(seed=0, family="llama"))
+        built = time.monotonic()
+        hf_cfg = json.loads((ckpt / "config.json").read_text())
+        cfg = Eagle3Config.from_target(hf_cfg)
+        assert cfg.aux_layer_ids == (0, 1, 2) and cfg.rope_scaling_factor == 8.0
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
 
-    g = torch.Generator().manual_seed(0)
-    vocab = hf_cfg["vocab_size"]
-    # the last step's drafts may reach K tokens past max_tokens (vLLM counts them), hence NEW + K
-    train_seqs = greedy_sequences(model, torch.randint(3, vocab, (TRAIN_ROWS, PROMPT), generator=g), NEW + K)
-    held_out = greedy_sequences(model, torch.randint(3, vocab, (HELD_OUT_ROWS, PROMPT), generator=g), NEW + K)
-    # served: half training prompts (drafts mostly right), half held-out ones (mostly wrong: a random tiny
-    # target's argmax has small margins), so both outcomes of each draft position are counted
-    eval_seqs = torch.cat([train_seqs[:HELD_OUT_ROWS], held_out])
+        g = torch.Generator().manual_seed(0)
+        vocab = hf_cfg["vocab_size"]
+        # the last step's drafts may reach K tokens past max_tokens (vLLM counts them), hence NEW + K
+        train_seqs = greedy_sequences(model, torch.randint(3, vocab, (TRAIN_ROWS, PROMPT), generator=g), NEW + K)
+        held_out = greedy_sequences(model, torch.randint(3, vocab, (HELD_OUT_ROWS, PROMPT), generator=g), NEW + K)
+        # served: half training prompts (drafts mostly right), half held-out ones (mostly wrong: a random tiny
+        # target's argmax has small margins), so both outcomes of each draft position are counted
+        eval_seqs = torch.cat([train_seqs[:HELD_OUT_ROWS], held_out])
+        train_logits, train_aux = target_states(model, train_seqs, cfg.aux_layer_ids)
+        _, eval_aux = target_states(model, eval_seqs, cfg.aux_layer_ids)
+
+        drafter = Eagle3Drafter(cfg, torch.Generator().manual_seed(1))
+        untrained_export = export_eagle3(drafter, cfg, tmp_path / "eagle3_untrained")
+        untrained = predicted(drafter, eval_aux, eval_seqs, embed, lm_head)
+        first, last = train(drafter, train_aux, train_seqs, train_logits, embed, lm_head)
+        export = export_eagle3(drafter, cfg, tmp_path / "eagle3")
+        served, _ = load_eagle3(export)
+        drafts, per_pos = predicted(served, eval_aux, eval_seqs, embed, lm_head)
+        trained_at = time.monotonic()
+    finally:
+        torch.set_num_threads(threads)
+    return {"ckpt": ckpt, "export": export, "untrained_export": untrained_export, "eval_seqs": eval_seqs,
+            "untrained": untrained, "drafts": drafts, "per_pos": per_pos, "losses": (first, last),
+            "seconds": (built - start, trained_at - built)}
+
+
+def test_trained_eagle3_drafter_serves_losslessly_with_predicted_acceptance(trained, tmp_path):
+    ckpt, export, eval_seqs = trained["ckpt"], trained["export"], trained["eval_seqs"]
     eval_prompts = eval_seqs[:, :PROMPT]
-    train_logits, train_aux = target_states(model, train_seqs, cfg.aux_layer_ids)
-    _, eval_aux = target_states(model, eval_seqs, cfg.aux_layer_ids)
-
-    drafter = Eagle3Drafter(cfg, torch.Generator().manual_seed(1))
-    untrained = predicted(drafter, eval_aux, eval_seqs, embed, lm_head)
-    first, last = train(drafter, train_aux, train_seqs, train_logits, embed, lm_head)
-    export = export_eagle3(drafter, cfg, tmp_path / "eagle3")
-    served, _ = load_eagle3(export)
-    drafts, per_pos = predicted(served, eval_aux, eval_seqs, embed, lm_head)
-    trained = time.monotonic()
-
+    drafts, per_pos, untrained = trained["drafts"], trained["per_pos"], trained["untrained"]
+    first, last = trained["losses"]
+    trained_at = time.monotonic()
     req = {"model": str(ckpt), "drafter": str(export), "k": K, "new_tokens": NEW,
            "prompts": eval_prompts.tolist()}
     (tmp_path / "req.json").write_text(json.dumps(req))
@@ -167,10 +176,11 @@ def test_trained_eagle3_drafter_serves_losslessly_with_predicted_acceptance(tiny
 
     rate = [a / res["num_drafts"] for a in res["accepted_per_pos"]]
     pred_rate = [a / drafts for a in per_pos]
+    built, trained_s = trained["seconds"]
     print(f"EAGLE-3 k={K}: loss {first:.3f} -> {last:.3f}; vLLM drafts {res['num_drafts']:.0f}, accepted per position "
           f"{res['accepted_per_pos']} = {[round(r, 3) for r in rate]}; predicted drafts {drafts}, {per_pos} = "
           f"{[round(r, 3) for r in pred_rate]}; untrained drafter predicted {untrained}; seconds: checkpoint "
-          f"{built - start:.1f}, data + training {trained - built:.1f}, engine process {time.monotonic() - trained:.1f}")
+          f"{built:.1f}, data + training {trained_s:.1f}, engine process {time.monotonic() - trained_at:.1f}")
     assert res["tokens"] == eval_seqs[:, PROMPT:PROMPT + NEW].tolist()   # lossless: no-speculation greedy tokens
     assert res["num_draft_tokens"] == K * res["num_drafts"]
     assert len(res["accepted_per_pos"]) == K
@@ -182,6 +192,70 @@ def test_trained_eagle3_drafter_serves_losslessly_with_predicted_acceptance(tiny
         assert abs(measured - pred) <= 0.015
     assert last < 0.5 * first
     assert rate[0] >= 0.2 and rate[0] >= 5 * max(untrained[1][0] / untrained[0], 0.02)
+
+
+def test_the_projects_engine_syncs_the_drafter_without_touching_the_target(trained, ray_local):
+    """skyrl_mtp's engine (EngineConfig.eagle3_drafter_path) started on the trained export drafts as the plain
+    engine does; a weight sync to the untrained drafter and back (main part and draft part, the draft part carrying
+    the drafter's own tensors only) leaves it equal to that cold load, tensor for tensor, and never changes the
+    target's tensors, which the drafter shares (embedding, lm_head)."""
+    from safetensors.torch import load_file
+
+    from skyrl_mtp.rollout.client import EngineClient
+    from skyrl_mtp.rollout.config import EngineConfig
+    from skyrl_mtp.rollout.sampling import SamplingSpec
+
+    ckpt, eval_seqs = trained["ckpt"], trained["eval_seqs"]
+    target = load_file(str(ckpt / "model.safetensors"))
+    weights = {d: load_file(str(trained[d] / "model.safetensors")) for d in ("export", "untrained_export")}
+    client = EngineClient.create(EngineConfig(model_path=str(ckpt), num_speculative_tokens=K,
+                                              eagle3_drafter_path=str(trained["export"]), max_model_len=128,
+                                              max_num_seqs=16, kv_cache_memory_bytes=32 * 2**20,
+                                              engine_kwargs={"enable_prefix_caching": False}))
+    greedy = SamplingSpec(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    prompts = eval_seqs[:, :PROMPT].tolist()
+
+    def serve() -> tuple[list, dict]:
+        client.metrics.start("train")
+        outs = client.generate_sync(prompts, greedy)
+        return [o.token_ids for o in outs], client.metrics.stop()
+
+    try:
+        assert client.schema.keys() >= weights["export"].keys() and client.sync_parts == ["main", "draft"]
+        cold = client.weight_digests()[0]
+        tokens, m = serve()
+        stats = client.sync_weights({**target, **weights["untrained_export"]})
+        after_untrained = client.weight_digests()[0]
+        _, m_untrained = serve()
+        client.sync_weights({**target, **weights["export"]})
+        back = client.weight_digests()[0]
+        tokens_back, m_back = serve()
+        # a main-only push of a changed embedding and lm_head: the drafter follows (it shares the target's)
+        changed = {n: t * 1.5 if "embed_tokens" in n or n == "lm_head.weight" else t for n, t in target.items()}
+        client.sync_weights(changed, parts=["main"])
+        shared = client.weight_digests()[0]
+        client.sync_weights(target, parts=["main"])
+    finally:
+        client.shutdown()
+    reference = eval_seqs[:, PROMPT:PROMPT + NEW].tolist()
+    assert tokens == reference and tokens_back == reference                          # lossless throughout
+    drafter = [n for n in cold if n.startswith("draft.") and ".embed_tokens." not in n and "lm_head" not in n]
+    target_names = [n for n in cold if n.startswith("model.")]
+    assert drafter and target_names
+    assert any(after_untrained[n] != cold[n] for n in drafter)                       # the sync reached the drafter
+    assert back == cold                                                              # == the cold load, every tensor
+    assert all(after_untrained[n] == cold[n] for n in target_names)                  # the target never changed
+    for part in ("embed_tokens", "lm_head"):
+        pairs = [(n, "model." + n.removeprefix("draft.")) for n in shared if n.startswith("draft.") and part in n]
+        assert pairs and all(m in shared for _, m in pairs), (part, sorted(shared)[:8])
+        assert all(shared[d] == shared[m] != cold[m] for d, m in pairs), part
+    assert stats["sync/draft_bytes"] == sum(t.numel() * t.element_size() for t in weights["export"].values())
+    drafts = m["rollout/train/num_drafts"]
+    rate = m["rollout/train/draft_acceptance_rate_pos_1"]
+    assert abs(drafts - trained["drafts"]) <= 0.01 * trained["drafts"]
+    assert abs(rate - trained["per_pos"][0] / trained["drafts"]) <= 0.015
+    assert m_back["rollout/train/num_drafts"] == drafts
+    assert m_untrained["rollout/train/draft_acceptance_rate"] < 0.5 * m["rollout/train/draft_acceptance_rate"]
 
 
 if __name__ == "__main__":
