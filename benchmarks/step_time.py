@@ -70,16 +70,25 @@ QUICK_OVERRIDES = ["trainer.warm_start.enabled=false", "trainer.train_batch_size
                    "algorithm.dynamic_sampling.max_gen_rounds=1"]
 
 
+def cli_overrides(run_dir: Path, extra: list[str], steps: int, overrides: list[str]) -> list[str]:
+    """The CLI's arguments for one set-up's run: the tiny default without eval, checkpoints or plots."""
+    return ["recipe=tiny_dapo", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+            "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0", "trainer.progress_bar=false",
+            "logger.plots=false", *extra, *overrides]
+
+
+class RunFailed(SystemExit):
+    """A set-up's CLI run exited non-zero. Uncaught, it ends the benchmark with its message."""
+
+
 def run_setup(name: str, extra: list[str], steps: int, out: Path, overrides: list[str]) -> list[dict]:
     run_dir = out / name
     out.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "skyrl_mtp.main", "recipe=tiny_dapo", f"trainer.run_dir={run_dir}",
-            f"trainer.total_steps={steps}", "trainer.eval_every_n_steps=0", "trainer.checkpoint.every_n_steps=0",
-            "trainer.progress_bar=false", "logger.plots=false", *extra, *overrides]
+    args = [sys.executable, "-m", "skyrl_mtp.main", *cli_overrides(run_dir, extra, steps, overrides)]
     proc = subprocess.run(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
                           capture_output=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{name}: run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RunFailed(f"{name}: run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

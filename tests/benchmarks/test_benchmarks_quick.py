@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 # a --quick run takes 5-160 s on 2 cores alone; the budget leaves room for the run beside it
 BUDGET_S = 600
 PARALLEL_RUNS = 2
-LONGEST_FIRST = ["pipeline_parallel.py", "rollout_tail.py", "draft_head_training.py", "step_time.py", "rollout_spec.py",
+LONGEST_FIRST = ["pipeline_parallel.py", "rollout_tail.py", "draft_head_training.py", "async_modes.py", "step_time.py",
+                 "rollout_spec.py",
                  "sharded_loading_memory.py", "train_step_gpu.py", "draft_loss_math.py", "draft_loss.py"]
 PORT_RACE = ("EADDRINUSE", "Address already in use")
 # script -> (top-level keys, keys of every row)
@@ -52,6 +53,10 @@ EXPECTED = {
                               "bitwise_equal_metrics"},
                              {"metric", "steps", "bitwise_equal_steps", "first_different_step", "max_abs_diff",
                               "max_rel_diff"}),
+    "async_modes.py": ({"steps", "skip", "drop_last", "repeats", "long_tail", "phases", "refused", "failed", "rows",
+                        "per_step"},
+                       {"setup", "baseline", "steps_per_s", "step_s", "ratio_vs_sync", "ratio_ci95", "ratio_per_repeat",
+                        "timeline", "acceptance", "reward", "response_length", "generated_tokens", "staleness"}),
     "step_time.py": ({"steps", "rows", "step_ratio_spec_over_nospec", "generate_ratio_spec_over_nospec",
                       "step_ratio_ci95", "generate_ratio_ci95", "per_step", "step_ratio_speed_normalised",
                       "generate_ratio_speed_normalised", "step_ratio_speed_normalised_ci95",
@@ -137,6 +142,20 @@ def test_benchmark_quick_runs_and_writes_its_fields(script, quick_runs):
         lo, hi = result["step_ratio_speed_normalised_ci95"]
         ratio = result["step_ratio_speed_normalised"]   # (the interval's sums run in another order: 1e-9 slack)
         assert ref and all(t > 0 for t in ref) and 0 < lo - 1e-9 <= ratio <= hi + 1e-9, result
+    if script == "async_modes.py":   # sync and one step off side by side on the long-tail prompts, one measured step
+        rows = {r["setup"]: r for r in result["rows"]}
+        assert set(rows) == {"sync", "one_step_off"} and result["long_tail"] and not result["failed"], result
+        sync, off = rows["sync"], rows["one_step_off"]
+        assert sync["ratio_vs_sync"] == 1.0 and off["ratio_vs_sync"] == sync["step_s"] / off["step_s"], rows
+        assert off["staleness"] == 1.0 and sync["staleness"] in (None, 0.0), rows
+        for r in rows.values():   # the main thread's phases add up to the step (each logged to 4 decimals)
+            t = r["timeline"]
+            beside = ("step", "overlap", "engines_idle")   # background/* ran beside the step; these derive from it
+            main_thread = sum(v for p, v in t.items() if not p.startswith("background/") and p not in beside)
+            assert main_thread == pytest.approx(t["step"], abs=1e-3), t
+        # the measured step: sync generates its own batch, one step off the next one in the background
+        assert sync["timeline"]["generate"] > 0 and sync["timeline"]["background/generate"] == 0, sync
+        assert off["timeline"]["generate"] == 0 and off["timeline"]["background/generate"] > 0, off
     if script == "rollout_spec.py":   # every engine its own counters: no-spec drafts nothing, the oracle's drafts all land
         for row in result["rows"]:
             assert row["identical_to_no_spec"], row
