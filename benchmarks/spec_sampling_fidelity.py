@@ -289,39 +289,6 @@ def sample(llm, prompt: list[int], temperature: float, top_p: float, samples: in
 
 # ---------------------------------------------------------------------------------------------- driver
 
-def sample_config(config: tuple, prompt: list[int], settings: list[tuple[float, float]], args) -> dict:
-    """One engine's samples at every (temperature, top_p) setting; the engine is closed after."""
-    path, k, fix, coupling, draft_sample_method = config
-    llm = make_llm(path, k, fix, args.max_num_seqs, args.seed, coupling, draft_sample_method)
-    try:
-        return {s: sample(llm, prompt, s[0], s[1], args.samples, args.requests, args.max_tokens, args.seed)
-                for s in settings}
-    finally:
-        close_llm(llm)
-
-
-def _sample_config_in_child(config: tuple, prompt: list[int], settings: list[tuple[float, float]], args) -> dict:
-    from skyrl_mtp.runtime_env import configure_offline_caches
-
-    configure_offline_caches(os.environ.get("SKYRL_MTP_CACHE", REPO_ROOT / ".cache"))
-    return sample_config(config, prompt, settings, args)
-
-
-def sample_configs(configs: list[tuple], prompt: list[int], settings: list[tuple[float, float]], args) -> list[dict]:
-    """Every configuration's samples, in order: one engine after another in this process, or (--parallel N > 1)
-    N engines at a time, each in a fresh process of its own (its engine-process settings are its own
-    environment). Per-request seeds make the samples the same either way."""
-    if args.parallel <= 1:
-        return [sample_config(c, prompt, settings, args) for c in configs]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
-        futures = [pool.submit(_sample_config_in_child, c, prompt, settings, args) for c in configs]
-        return [f.result() for f in futures]
-
-
 def parse_settings(text: str) -> list[tuple[float, float]]:
     out = []
     for item in text.split(","):
@@ -358,18 +325,20 @@ def run(args) -> list[dict]:
     logp = oracle.logp()
     print(f"prompt {prompt}, fixed context: first token a={a}; vocab {vocab}", file=sys.stderr)
 
-    # one engine per configuration: the no-spec reference first, then every (head, k, fix, coupling)
-    configs = [(ckpts["oracle"], 0, True, "invariant", "greedy")]
-    configs += [(ckpts[head], k, fix, coupling, args.draft_sample_method) for head in heads for k in ks
-                for fix, coupling in [(f, c) for f in fixes for c in couplings]]
-    sampled = sample_configs(configs, prompt, settings, args)
-    nospec = sampled[0]
+    def sample_all(llm) -> dict:
+        return {s: sample(llm, prompt, s[0], s[1], args.samples, args.requests, args.max_tokens, args.seed)
+                for s in settings}
+
+    llm = make_llm(ckpts["oracle"], 0, True, args.max_num_seqs, args.seed)
+    nospec = sample_all(llm)
+    close_llm(llm)
     rows = []
-    spec_results = iter(sampled[1:])
     for head in heads:
         for k in ks:
             for fix, coupling in [(f, c) for f in fixes for c in couplings]:
-                spec = next(spec_results)
+                llm = make_llm(ckpts[head], k, fix, args.max_num_seqs, args.seed, coupling, args.draft_sample_method)
+                spec = sample_all(llm)
+                close_llm(llm)
                 for (temp, top_p), (outs, delta, secs) in spec.items():
                     probs = oracle.probs(temp, top_p)
                     ref_outs, _, ref_secs = nospec[(temp, top_p)]
@@ -434,9 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-context", type=int, default=200,
                     help="contexts (previous tokens) seen fewer times in either sample are left out of the test")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--parallel", type=int, default=1,
-                    help="engines sampling at a time, each in a process of its own (1: one after another in this "
-                         "process)")
     ap.add_argument("--seed", type=int, default=1234, help="base sampling seed (request r: seed + r * n)")
     ap.add_argument("--model-seed", type=int, default=0)
     ap.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "spec_sampling_fidelity"))

@@ -351,10 +351,10 @@ class RLTrainer:
             metrics["train/head_seconds"] = sum(p.get("mtp/train_seconds", 0.0) for p in parts)
         metrics["train/num_sequences"] = float(sum(b["input_ids"].shape[0] for b in batches))
         metrics["train/num_updates"] = float(len(batches))
-        if self.loop.async_mode == "one_step_off":
-            with timer.phase("wait_rollout"):   # the next batch is finished before the sync: no weight changes
-                self.producer.wait_idle()       # under a running request (nothing new starts until the version)
-        with self.producer.held() if self.producer is not None else nullcontext():
+        with self.producer.held() if self.producer is not None else nullcontext():   # no batch starts in here
+            if self.loop.async_mode == "one_step_off":
+                with timer.phase("wait_rollout"):   # the next batch is finished before the sync: no weight
+                    self.producer.wait_idle()       # changes under a running request
             return self._sync_and_log(metrics, timer, head)
 
     def _sync_and_log(self, metrics: dict[str, float], timer: StepTimer, head: dict[str, Any]) -> dict[str, float]:

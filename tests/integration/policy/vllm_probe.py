@@ -6,6 +6,8 @@ it from a script keeps the pytest process (which holds Megatron's process group)
 every engine process is gone when the call returns.
 
     python vllm_probe.py REQUEST.json RESULT.json
+It may be started before REQUEST.json exists: it imports vLLM, then waits for the file (written whole, by a
+rename), so vLLM's import overlaps the caller's work.
 REQUEST: {"model", "draft_model" (optional: a draft-only export), "prompts": [[ids]], "new_tokens",
 "score": [[ids]]}. RESULT: {"tokens": [[ids]], "counters": {name: value}, "prompt_logprobs": [[lp]]}
 with prompt_logprobs[i][t] the logprob of score[i][t] (0 at t = 0, as token_logprobs stores it).
@@ -14,9 +16,13 @@ with prompt_logprobs[i][t] the logprob of score[i][t] (0 at t = 0, as token_logp
 import json
 import os
 import sys
+import time
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
+
+
+REQUEST_WAIT_S = 900
 
 
 def main(request_path: str, result_path: str) -> None:
@@ -25,6 +31,11 @@ def main(request_path: str, result_path: str) -> None:
     from skyrl_mtp.engine_process import EngineProcessSettings
     from skyrl_mtp.models.families import engine_kwargs_for_family, family_for_checkpoint
 
+    deadline = time.monotonic() + REQUEST_WAIT_S
+    while not os.path.exists(request_path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no request at {request_path} after {REQUEST_WAIT_S} s")
+        time.sleep(0.05)
     req = json.loads(open(request_path).read())
     family = family_for_checkpoint(req["model"])
     family.prepare_vllm_import()  # e.g. Qwen3.5's vLLM code without torchvision (inherited by the engine core)

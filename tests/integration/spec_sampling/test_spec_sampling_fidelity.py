@@ -2,9 +2,9 @@
 
 Runs benchmarks/spec_sampling_fidelity.py once (its own process, so vLLM's spawned EngineCore / worker
 processes inherit SKYRL_MTP_CPU_SAMPLING_FIX per engine) on the oracle-head tiny MiMo model with k = 2
-at T = 1.0 and T = 0.7: one no-spec engine and spec engines with the fix on and off for each coupling,
-two engines at a time, each in a process of its own. 8000 sequences of 4 tokens per configuration with
-per-request seeds, so the numbers are deterministic with the fix. The distribution check is a chi-square test of spec vs no-spec
+at T = 1.0 and T = 0.7: one no-spec engine, then spec engines with the fix on and off for each coupling,
+one engine alive at a time. 8000 sequences of 4 tokens per configuration with per-request seeds, so the
+numbers are deterministic with the fix. The distribution check is a chi-square test of spec vs no-spec
 next-token histograms at fixed contexts (the target is a bigram model: the previous token is the
 context), plus the TV distance at the prompt's most likely continuation, and the draft acceptance
 against its expectation. The checks must pass with the fix and fail without it (there the sampler
@@ -15,8 +15,8 @@ Both rejection-sampling couplings are run (vLLM's own, and the project's draft-i
 skyrl_mtp/vllm_patches/draft_invariant_sampling.py): both must be lossless with the fix, and the
 draft-invariant one must emit exactly the no-spec engine's tokens for the same seeds.
 
-Why it takes about 2 minutes on 2 cores: five engines, two at a time (no-spec, and the fix on / off for each
-coupling), and 8000 seeded samples per configuration at two temperatures; fewer samples would loosen the
+Why it takes about 3 minutes on 2 cores: five engines one after another (no-spec, and the fix on / off for each
+coupling) and 8000 seeded samples per configuration at two temperatures; fewer samples would loosen the
 distribution checks' power, whose thresholds are set for this sample size.
 """
 
@@ -52,7 +52,6 @@ def fidelity(tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity")
     cmd = [sys.executable, str(BENCH), "--heads", "oracle", "--ks", "2", "--settings", "1.0:1.0,0.7:1.0",
            "--samples", "8000", "--requests", "8", "--max-tokens", "4", "--fix", "both", "--coupling", "both",
-           "--parallel", "2",
            "--workdir", str(out / "ckpts"), "--json", str(out / "rows.json"),
            "--details-json", str(out / "details.json")]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,

@@ -1,8 +1,8 @@
-"""vLLM's per-token weight-version spans -> the project's (version, start, end) tuples (engine.py)."""
+"""vLLM's per-token weight-version spans -> the project's (version, start, end) tuples (outputs.py)."""
 
 from types import SimpleNamespace
 
-from skyrl_mtp.rollout.engine import weight_version_spans
+from skyrl_mtp.rollout.outputs import weight_version_spans
 
 
 def _span(v, s, e):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from skyrl_mtp.rollout.client import assign_least_loaded
-from skyrl_mtp.rollout.engine import completion_to_output
+from skyrl_mtp.rollout.outputs import completion_to_output
 from skyrl_mtp.weight_sync.schema import (
     TensorSpec,
     WeightSyncError,
