@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_mtp.config.checker import Checker
+from skyrl_mtp.config.drafter_knob import drafter_model_checks
 
 # The most tokens the engines may draft per step (trainer.mtp.num_speculative_tokens, or max_speculative_tokens
 # under auto). vLLM sets no bound; a draft at depth d is verified only when depths 1..d-1 were accepted, so its
@@ -30,20 +31,16 @@ TOKENIZER_RULE = ("a checkpoint with tokenizer files (one of " + ", ".join(TOKEN
                   "template (tokenizer_config.json's 'chat_template', or a chat_template.jinja file): prompts are "
                   "encoded with it")
 FAMILY_RULE = "a checkpoint whose config.json architectures a model family reads (the supported ones are listed)"
-MTP_RULE = ("a checkpoint with MTP layers when trainer.mtp.enabled=true (the engines draft and the policy trains "
-            "with them); set trainer.mtp.enabled=false for a model without")
-MTP_ENABLED_RULE = ("false when the model has no MTP layers (model families without them: llama, qwen3; or "
-                    "model.tiny.mtp_layers=0)")
+MTP_RULE = ("a checkpoint with MTP layers when trainer.mtp.enabled=true and trainer.drafter.kind=mtp (the engines "
+            "draft and the policy trains with them); trainer.drafter.kind=eagle3 or trainer.mtp.enabled=false for a "
+            "model without")
+DRAFTER_KIND_RULE = ("mtp needs a model with MTP layers (families without them: llama, qwen3; or "
+                     "model.tiny.mtp_layers=0), eagle3 a llama or qwen3 target")
 WEIGHTS_RULE = "a checkpoint with *.safetensors weights"
 
 
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def has_mtp_layers(family: Any) -> bool:
-    """False for a family whose models never have MTP layers (models/families/dense_common.py)."""
-    return getattr(family, "has_mtp_layers", True)
 
 
 def _checkpoint_dir(c: Checker) -> Path | None:
@@ -132,14 +129,8 @@ def model_dir_checks(c: Checker) -> Any | None:
                                     f"(model_type={hf.get('model_type')!r}), which no model family reads; supported "
                                     f"architectures: {supported}")
         return None
-    key, n_mtp = checkpoint_mtp_layers(hf)
-    if c.cfg.trainer.mtp.enabled and n_mtp < 1:
-        has = (f"is a {family.name} model, which has no MTP layers," if not has_mtp_layers(family)
-               else f"has {key}={n_mtp}")
-        c.add("model.path", str(d), f"its config.json {has} but trainer.mtp.enabled=true (the engines draft and "
-                                    "the policy trains with MTP layers); use a checkpoint with MTP layers or set "
-                                    "trainer.mtp.enabled=false")
-    speculative_tokens_checks(c, n_mtp)
+    drafter_model_checks(c, hf, family.name)
+    speculative_tokens_checks(c, checkpoint_mtp_layers(hf)[1] if c.cfg.trainer.drafter.kind == "mtp" else None)
     if not any(d.glob("*.safetensors")):
         c.add("model.path", str(d), "has no *.safetensors weights (the engines and the policy load them)")
     tokenizer_checks(c, d)
@@ -156,19 +147,15 @@ def tiny_layout_checks(c: Checker) -> Any:
     """The tiny model's family against the layout (its config.json as it would be built; nothing is built)."""
     from dataclasses import fields
 
-    from skyrl_mtp.models.families import checkpoint_mtp_layers, family_for_config
+    from skyrl_mtp.models.families import family_for_config
     from skyrl_mtp.models.tiny import TinyModelSpec, hf_config
 
     names = {f.name for f in fields(TinyModelSpec)}
     spec = TinyModelSpec(**{k: v for k, v in dict(c.cfg.model.tiny).items() if k in names})
     hf = hf_config(spec, None)
     family = family_for_config(hf)
-    c.rule("trainer.mtp.enabled", MTP_ENABLED_RULE)
-    if c.cfg.trainer.mtp.enabled and checkpoint_mtp_layers(hf)[1] < 1:
-        why = (f"model.tiny.family={spec.family!r}: a {family.name} model has no MTP layers"
-               if not has_mtp_layers(family) else "model.tiny.mtp_layers=0: the tiny model has no MTP layers")
-        c.add("trainer.mtp.enabled", True, f"must be false with {why} (the engines would draft and the policy train "
-                                           "with them)")
+    c.rule("trainer.drafter.kind", DRAFTER_KIND_RULE)
+    drafter_model_checks(c, hf, family.name)
     layout_checks(c, family, family.args_from_config(hf))
     return family
 

@@ -28,6 +28,10 @@ def _int_at_least_1(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def knob_kind(c: Checker) -> str:
+    return str(c.cfg.trainer.drafter.kind)
+
+
 def mtp_checks(c: Checker) -> None:
     """The checks of `trainer.mtp` and of the key that can contradict it (the key the user wrote is the one named)."""
     knob = c.cfg.trainer.mtp
@@ -40,7 +44,8 @@ def mtp_checks(c: Checker) -> None:
     c.check("trainer.mtp.max_speculative_tokens", _int_at_least_1,
             "must be an int >= 1 (the maximum k of trainer.mtp.num_speculative_tokens=auto)", when=on and auto)
     c.check("megatron.mtp_num_layers", lambda v: v is None or v != 0,
-            "contradicts trainer.mtp.enabled=true; leave it null (use the checkpoint's MTP layers) or >= 1", when=on)
+            "contradicts trainer.mtp.enabled=true; leave it null (use the checkpoint's MTP layers) or >= 1",
+            when=on and knob_kind(c) == "mtp")
     c.check("megatron.mtp_num_layers", lambda v: v is None or v <= 0,
             "contradicts trainer.mtp.enabled=false; leave it null or set 0", when=not on)
     c.check("trainer.mtp.loss_position_fraction", lambda v: isinstance(v, (int, float)) and 0.0 < v <= 1.0,

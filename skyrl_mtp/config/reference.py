@@ -84,8 +84,22 @@ def validation_rules() -> dict[str, list[str]]:
     return checker.rules
 
 
+def schema_sources() -> list[Path]:
+    """The files that define the schema's dataclasses (schema.py and the parts split off it)."""
+    seen: set[type] = set()
+
+    def walk(obj: Any) -> None:
+        seen.add(type(obj))
+        for f in fields(obj):
+            if is_dataclass(getattr(obj, f.name)):
+                walk(getattr(obj, f.name))
+
+    walk(schema.SkyRLConfig())
+    return sorted({Path(sys.modules[cls.__module__].__file__) for cls in seen})
+
+
 def sections() -> list[Section]:
-    comments = field_comments(Path(schema.__file__).read_text())
+    comments = {k: v for source in schema_sources() for k, v in field_comments(source.read_text()).items()}
     rules = validation_rules()
     out: list[Section] = []
 

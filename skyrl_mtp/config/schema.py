@@ -3,7 +3,8 @@
 Hydra composes recipes and command-line overrides on top of `SkyRLConfig`; because the schema is a
 structured config, an unknown key or a value of the wrong type is rejected at composition time.
 Semantic checks (ranges, allowed names, contradictions, paths) live in `validation.py`, and the
-derivation of low-level MTP settings from `trainer.mtp` lives in `mtp_knob.py`.
+derivation of low-level MTP settings from `trainer.mtp` lives in `mtp_knob.py`. The drafting keys (`trainer.mtp`,
+`trainer.drafter`) are in `schema_drafting.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 from skyrl_mtp.allowed import (  # noqa: F401 - re-exported: the one allowed-values table
     ADVANTAGE_ESTIMATORS,
-    DEFAULT_EXPLORE_BUDGET,
     DEFAULT_MTP_LOSS_CHUNK_SIZE,
     DRAFT_LOSS_TYPES,
     DTYPES,
@@ -27,61 +27,7 @@ from skyrl_mtp.allowed import (  # noqa: F401 - re-exported: the one allowed-val
     RESUME_MODES,
     SYNTHETIC_TASKS,
 )
-
-
-@dataclass
-class MTPConfig:
-    """The one high-level MTP knob: drafting at inference and head training at train time."""
-
-    # true: the engines draft with the model's MTP head and the policy workers train it with the decoupled draft
-    # loss; false: no speculative decoding and no head training
-    enabled: bool = True
-    # an int k >= 1 (k drafts every engine step), or "auto": k is chosen per engine step between 0 and
-    # max_speculative_tokens from the running batch, live acceptance and timings measured on the engine
-    num_speculative_tokens: int | str = 2
-    max_speculative_tokens: int = 3   # the maximum k when num_speculative_tokens=auto (refused with a fixed k)
-    # how the head drafts in vLLM: "greedy" (argmax; acceptance <= p_target(argmax) at T=1) or
-    # "probabilistic" (sampled from the head's distribution; pairs with loss_type=tv). Probabilistic
-    # drafts use vLLM's rejection-sampling coupling (lossless in distribution, tokens depend on drafts).
-    draft_sample_method: str = "greedy"
-    # the cheaper draft loss: train on about this fraction of each sequence's draft positions (1.0 = all)
-    loss_position_fraction: float = 1.0
-    # depth d's draft loss weighs loss_depth_decay ** (d - 1) (1.0: every depth alike). A draft at depth d
-    # is verified only when depths 1..d-1 were accepted, so the deeper ones may deserve less weight;
-    # measured both ways (docs/benchmarks.md): 1.0 drafts better on the default run, 0.5 on a trigram target.
-    loss_depth_decay: float = 1.0
-    # the draft loss against the policy's own detached next-token distribution: soft_ce (soft cross-entropy),
-    # hard_ce (cross-entropy on the sampled token), topk_soft_ce (soft CE on the policy's top megatron.mtp_loss_topk
-    # tokens), tv (total variation, i.e. 1 - the expected acceptance of a sampled draft)
-    loss_type: str = "soft_ce"
-    # weight of the draft loss, which trains the MTP head only (0: the head gets no gradient)
-    loss_weight: float = 1.0
-    # false: train the head but roll out without speculative decoding (e.g. to warm the head up
-    # before drafting with it). Bitwise comparisons do not need it on CPU: with
-    # generator.draft_invariant_sampling seeded rollouts are a function of the policy alone anyway.
-    draft_in_rollouts: bool = True
-    # Draft depths the head is trained on (depth d predicts token t+d from the head's own depth d-1
-    # output; depths beyond the checkpoint's MTP layers reuse the last layer, as vLLM drafts with it).
-    # null = num_speculative_tokens, i.e. trained for every depth it drafts; under
-    # num_speculative_tokens=auto, each step trains the depths the engines drafted in >= 10% of the
-    # rollout's engine steps plus one more (at most max_speculative_tokens; mtp/draft_depths.py).
-    train_depths: int | None = None
-    # num_speculative_tokens=auto with train_depths=null: the head trains on a step when its credit covers
-    # what its last training took (training it and pushing it to the engines): the engine time its drafts
-    # saved since, plus this share of each step's time (that aside) for keeping it aligned with the policy
-    # while drafting saves nothing
-    # (mtp/draft_depths.py). So an idle head costs at most this share of the run, on any model.
-    idle_head_train_budget: float = 0.01
-    # num_speculative_tokens=auto: the share of the engines' time the choice of k may spend exploring (probes
-    # that time again a k other than a batch bucket's best), charged at what each probe is predicted to cost
-    # beyond the best k (speculation/policy.py; each bucket's first timing at every k, once per engine, is not
-    # charged). It is what lets the engines notice a head that got better; 0 explores only where that is
-    # predicted free.
-    explore_budget: float = DEFAULT_EXPLORE_BUDGET
-    # num_speculative_tokens=auto: a directory where every engine core writes each call its scheduler makes to
-    # the policy choosing k (one file per engine process, speculation/trace.py), for an exact replay of
-    # its choices (benchmarks/speculation_policy_trace.py); null writes nothing
-    policy_trace_dir: str | None = None
+from skyrl_mtp.config.schema_drafting import DrafterConfig, MTPConfig
 
 
 @dataclass
@@ -179,6 +125,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
 
 

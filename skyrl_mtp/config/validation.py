@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from skyrl_mtp import allowed as A
 from skyrl_mtp.config.checker import Checker
 from skyrl_mtp.config.data_files import data_file_checks, data_source_checks
+from skyrl_mtp.config.drafter_knob import drafter_checks
 from skyrl_mtp.config.engine_kwargs import engine_kwargs_checks
 from skyrl_mtp.config.model_dir import model_dir_checks
 from skyrl_mtp.config.mtp_knob import mtp_checks
@@ -175,6 +176,7 @@ def run_checks(c: Checker) -> None:
     c.choice("trainer.mtp.loss_type", A.DRAFT_LOSS_TYPES)
     c.at_least("trainer.mtp.loss_weight", 0.0)
     mtp_checks(c)
+    drafter_checks(c)
 
     # megatron
     for key in ("tp", "pp", "cp", "dp", "micro_batch_size"):

@@ -37,6 +37,7 @@ scale 1; there are no biases.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -341,30 +342,33 @@ def shift_ids(input_ids: torch.Tensor, by: int, fill: int = 0) -> torch.Tensor:
     return torch.cat([input_ids[:, by:], pad], dim=1)
 
 
-def unroll(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, embed_weight: torch.Tensor,
-           steps: int, *, positions: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+def unroll(drafter: Eagle3Drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
+           embed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], steps: int, *,
+           positions: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
            greedy_lm_head: torch.Tensor | None = None) -> list[Eagle3Output]:
     """``steps`` drafter passes over whole sequences (the test-time-training unroll), pass j's output at index t
     being the draft of the token at t + 2 + j that vLLM proposes from index t (t = the last position whose target
     hidden state it has; ids[t+1] is the token just sampled).
 
-    aux_hidden [B, T, 3H]: the target's captured states (detached by the caller); input_ids [B, T]; embed_weight
-    [V, H]: the target's embedding; positions: default 0..T-1 per row. Pass 0 reads ids[t+1]; pass j >= 1 reads
-    ids[t+1+j] (teacher forcing, for training: a draft after a rejected one never counts, so conditioning on the
-    true tokens is exact) or, with ``greedy_lm_head`` (the target's lm_head weight [V, H]), the argmax draft of
-    pass j-1 (what vLLM feeds itself). Indices whose token t+1+j lies past the sequence (or across a segment
-    boundary) read a filler token and must be masked by the caller."""
+    aux_hidden [B, T, 3H]: the target's captured states (detached by the caller); input_ids [B, T]; embed: the
+    target's embedding, as its weight [V, H] or as a function of ids [B, T] -> [B, T, H] (a vocab-parallel one);
+    positions: default 0..T-1 per row. Pass 0 reads ids[t+1]; pass j >= 1 reads ids[t+1+j] (teacher forcing, for
+    training: a draft after a rejected one never counts, so conditioning on the true tokens is exact) or, with
+    ``greedy_lm_head`` (the target's lm_head weight [V, H]), the argmax draft of pass j-1 (what vLLM feeds itself).
+    Indices whose token t+1+j lies past the sequence (or across a segment boundary) read a filler token and must be
+    masked by the caller."""
+    lookup = embed if callable(embed) else (lambda ids: F.embedding(ids, embed))
     b, t = input_ids.shape
     if positions is None:
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
     cache = Eagle3Cache()
-    out = drafter(F.embedding(shift_ids(input_ids, 1), embed_weight), aux_hidden, positions, cache, segment_ids)
+    out = drafter(lookup(shift_ids(input_ids, 1)), aux_hidden, positions, cache, segment_ids)
     outs = [out]
     for j in range(1, steps):
         if greedy_lm_head is None:
             tokens = shift_ids(input_ids, 1 + j)
         else:
             tokens = F.linear(out.hidden, greedy_lm_head).argmax(-1)
-        out = drafter(F.embedding(tokens, embed_weight), out.next_hidden, positions + j, cache)
+        out = drafter(lookup(tokens), out.next_hidden, positions + j, cache)
         outs.append(out)
     return outs

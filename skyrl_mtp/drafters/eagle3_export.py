@@ -129,3 +129,43 @@ def load_eagle3(path: str | Path) -> tuple[Eagle3Drafter, Eagle3Config]:
     drafter = Eagle3Drafter(cfg).to(next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter, cfg
+
+
+def initial_eagle3(target_hf_config: dict, aux_layer_ids: tuple[int, ...] | None, seed: int,
+                   init_path: str | Path | None = None) -> tuple[Eagle3Drafter, Eagle3Config]:
+    """The drafter a run starts from, in fp32: the export at ``init_path`` (which must be a drafter of this target,
+    reading ``aux_layer_ids`` when given), or a fresh one initialised from ``seed`` (the same weights on every
+    process that asks: the driver's first export and the policy workers' copy agree)."""
+    if init_path is None:
+        cfg = Eagle3Config.from_target(target_hf_config, aux_layer_ids)
+        return Eagle3Drafter(cfg, torch.Generator().manual_seed(seed)), cfg
+    drafter, loaded = load_eagle3(init_path)
+    want = Eagle3Config.from_target(target_hf_config, aux_layer_ids or loaded.aux_layer_ids)
+    if loaded != want:
+        diff = {k: (getattr(loaded, k), getattr(want, k)) for k in want.__dataclass_fields__
+                if getattr(loaded, k) != getattr(want, k)}
+        raise ValueError(f"the EAGLE-3 drafter at {str(init_path)!r} does not fit the target: (its value, the "
+                         f"target's) = {diff}")
+    return drafter.float(), want
+
+
+def write_initial_eagle3(target_dir: str | Path, aux_layer_ids: tuple[int, ...] | None, seed: int,
+                         out_dir: str | Path) -> Path:
+    """Export the fresh drafter ``initial_eagle3`` builds from ``seed`` for the target at ``target_dir`` into
+    ``out_dir`` (written aside, then renamed into place; an existing export is kept: it is the same drafter)."""
+    out = Path(out_dir)
+    if (out / WEIGHTS).is_file():
+        return out
+    import shutil
+    import tempfile
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    drafter, cfg = initial_eagle3(target, aux_layer_ids, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        export_eagle3(drafter, cfg, tmp)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

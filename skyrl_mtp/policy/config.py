@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from skyrl_mtp.allowed import (
     DEFAULT_MTP_LOSS_CHUNK_SIZE,
     DRAFT_LOSS_TYPES,
+    DRAFTER_KINDS,
     DTYPES,
     LAYER_IMPLS,
     LR_SCHEDULES,
@@ -40,6 +41,12 @@ class PolicyWorkerConfig:
     draft_runner: str = "v1"  # the vLLM model runner whose MTP drafter the replay follows ("v1" / "v2")
     mtp_num_layers: int | None = None  # None: the checkpoint's num_nextn_predict_layers; 0 disables
     mtp_enabled: bool = True
+    # the drafter trained beside the policy (run key trainer.drafter.kind): "mtp" = the model's own MTP layers (per
+    # mtp_enabled), "eagle3" = an EAGLE-3 drafter (policy/drafter_training.py), trained on the draft-loss settings
+    # below (mtp_num_depths = its test-time-training unroll) with the head_* optimizer settings
+    drafter_kind: str = "mtp"
+    drafter_init: str | None = None   # an exported drafter to start from; None: initialised from `seed`
+    drafter_layer_ids: tuple[int, ...] | None = None   # the target layers it reads (vLLM's ids); None: the default
     mtp_num_depths: int = 1  # draft depths trained (run key trainer.mtp.train_depths); depth d > num layers reuses the last layer
     mtp_loss_type: str = "soft_ce"
     mtp_loss_weight: float = 1.0
@@ -100,6 +107,21 @@ class PolicyWorkerConfig:
             raise _bad("draft_runner", self.draft_runner, f"allowed: {MODEL_RUNNERS}")
         if self.mtp_num_layers is not None and (not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0):
             raise _bad("mtp_num_layers", self.mtp_num_layers, "must be None (use the checkpoint's) or an integer >= 0")
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise _bad("drafter_kind", self.drafter_kind, f"allowed: {DRAFTER_KINDS}")
+        if self.drafter_kind != "mtp":
+            if self.mtp_enabled:
+                raise _bad("mtp_enabled", self.mtp_enabled, f"must be False with drafter_kind={self.drafter_kind!r} "
+                           "(the drafter replaces the model's MTP layers)")
+            if self.pp != 1:
+                raise _bad("pp", self.pp, f"must be 1 with drafter_kind={self.drafter_kind!r} (the drafter reads "
+                           "hidden states of every stage)")
+        elif self.drafter_init is not None or self.drafter_layer_ids is not None:
+            raise _bad("drafter_init" if self.drafter_init is not None else "drafter_layer_ids",
+                       self.drafter_init if self.drafter_init is not None else self.drafter_layer_ids,
+                       "must be None with drafter_kind='mtp' (the MTP head is the checkpoint's own)")
+        if self.drafter_layer_ids is not None:
+            self.drafter_layer_ids = tuple(self.drafter_layer_ids)
         if self.mtp_loss_type not in DRAFT_LOSS_TYPES:
             raise _bad("mtp_loss_type", self.mtp_loss_type, f"allowed: {DRAFT_LOSS_TYPES}")
         if not isinstance(self.mtp_loss_topk, int) or self.mtp_loss_topk < 1:

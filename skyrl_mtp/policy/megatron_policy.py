@@ -9,15 +9,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from skyrl_mtp.models.families.base import rules_for_expert_rank
-from skyrl_mtp.models.families.packed_experts import PackedExperts
 from skyrl_mtp.policy.batch_layout import REQUIRED_TRAIN_KEYS, micro_batches, prepare, validate_batch
 from skyrl_mtp.policy.config import PolicyWorkerConfig
 from skyrl_mtp.policy.megatron import checkpoint as ckpt
 from skyrl_mtp.policy.megatron.device import rank_device
-from skyrl_mtp.policy.megatron.hf_bridge import load_into_model, mapped_tensors
+from skyrl_mtp.policy.megatron.hf_bridge import load_hf_weights, load_into_model, mapped_tensors  # noqa: F401
 from skyrl_mtp.policy.megatron.model_builder import (
     ModelBuildError,
     build_gpt_model,
@@ -40,18 +38,6 @@ WALL_CLOCK_METRICS = frozenset({"mtp/train_seconds"})
 
 def reproducible_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k not in WALL_CLOCK_METRICS}
-
-
-def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint, experts stored packed split into per-expert ones (packed_experts.py)."""
-    files = sorted(Path(hf_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in HF checkpoint {str(hf_path)!r}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    packed = PackedExperts({k: tuple(t.shape) for k, t in out.items()})
-    return packed.unpack(out) if packed else out
 
 
 def _sequences_with_tokens(loss_mask: torch.Tensor) -> float:
@@ -139,6 +125,12 @@ class MegatronPolicy(PipelinedSteps):
             self.head_sched = lr_scheduler(self.head_opt, schedule=cfg.head_lr_schedule,
                                            warmup_steps=cfg.head_lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
             self.capture = MTPInputCapture(self.model)
+        from skyrl_mtp.policy.drafter_training import build_drafter_training
+
+        self.drafter = build_drafter_training(self.model, self.hf_path, cfg, self.device.device, self.dp_group)
+        if self.drafter is not None:   # an external drafter takes the MTP head's place: optimizer, schedule, capture
+            self.head_side, self.head_sched, self.capture = self.drafter.side, self.drafter.sched, self.drafter.capture
+            self.head_opt = self.head_side.torch_optimizer
         self.step = 0
 
     def _build_model(self):
@@ -331,7 +323,10 @@ class MegatronPolicy(PipelinedSteps):
                 from skyrl_mtp.mtp.draft_head import compute_draft_loss
 
                 t_head = self.device.clock()
-                res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
+                if self.drafter is not None:
+                    res = self.drafter.loss(self.model, logits, mb, spec, self.args.vocab_size)
+                else:
+                    res = compute_draft_loss(self.model, self.capture.take(), logits, mb, spec, self.args.vocab_size)
                 del logits, lp
                 if res.loss_sum.requires_grad:
                     (res.loss_sum * (self.cfg.mtp_loss_weight / n_draft)).backward()
@@ -410,7 +405,8 @@ class MegatronPolicy(PipelinedSteps):
 
         A collective over the TP and EP groups: every rank must iterate it to the end together; every rank
         receives the full tensors (the consumer on rank 0 uses them, the others drop them)."""
-        return self._iter_hf(self._items(which))  # ``which`` is checked now, not at the first next()
+        items = self._items(which)  # ``which`` is checked now, not at the first next()
+        return self.drafter.iter_weights() if which == "draft" and self.drafter is not None else self._iter_hf(items)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named weights (main + MTP) on CPU (the whole model in memory: prefer ``iter_hf_weights``)."""
@@ -454,10 +450,13 @@ class MegatronPolicy(PipelinedSteps):
             "head_opt": self.head_side.state_dict() if self.head_side else None,
             "head_sched": self.head_sched.state_dict() if self.head_sched else None,
             "rng": self._rng_state(), "cfg": self.cfg.to_dict(),
+            "drafter": self.drafter.weights() if self.drafter is not None else None,
         }
         ckpt.save_train_state(ckpt_dir, self.rank, state)
         if self.cfg.export_hf or (self.cfg.export_draft_head and self.mtp_layers > 0):
             self._export_hf_streaming(ckpt_dir)  # collective over TP ranks: every rank takes part
+        if self.rank == 0 and self.cfg.export_draft_head and self.drafter is not None:
+            self.drafter.export(Path(ckpt_dir) / "draft_head")
         if dist.get_world_size() > 1:
             dist.barrier()
 
@@ -473,6 +472,11 @@ class MegatronPolicy(PipelinedSteps):
                 raise ValueError(f"checkpoint {ckpt_dir!r} has no MTP head optimizer state but this worker trains one")
             self.head_side.load_state_dict(state["head_opt"])
             self.head_sched.load_state_dict(state["head_sched"])
+        if self.drafter is not None:
+            if state.get("drafter") is None:
+                raise ValueError(f"checkpoint {ckpt_dir!r} holds no {self.cfg.drafter_kind} drafter but this worker "
+                                 "trains one")
+            self.drafter.load_weights(state["drafter"])
         torch.set_rng_state(state["rng"]["torch"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
         self.step = int(state["step"])

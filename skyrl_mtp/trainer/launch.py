@@ -242,7 +242,7 @@ def _run(plan: RunPlan) -> int:
         if plan.memory is not None:   # checked at validation; printed here with the checkpoint the run serves
             log(plan.memory.describe())
         placement_group = reserve(placement)
-        engines, policy = _start_workers(plan, model_path, placement_group)
+        engines, policy = _start_workers(plan, model_path, placement_group, _initial_drafter(plan, model_path, run_dir))
         env = build_environment(plan, engines, tokenizer, data)
         from skyrl_mtp.trainer.trainer import RLTrainer
         from skyrl_mtp.weight_sync.policy_link import PolicyEngineLink
@@ -304,7 +304,20 @@ def _warm_start(plan: RunPlan, base_model: Path, data: dict[str, Path], tokenize
                       tokenizer.pad_token_id, start_worker, log=log)
 
 
-def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any):
+def _initial_drafter(plan: RunPlan, model_path: Path, run_dir: Any) -> str | None:
+    """An EAGLE-3 run's drafter as the engines start with it, the one the policy workers start from: the user's
+    trainer.drafter.init, or the fresh drafter of trainer.seed exported into the run directory."""
+    w = plan.policy_worker
+    if w.drafter_kind != "eagle3":
+        return None
+    if w.drafter_init is not None:
+        return w.drafter_init
+    from skyrl_mtp.drafters.eagle3_export import write_initial_eagle3
+
+    return str(write_initial_eagle3(model_path, w.drafter_layer_ids, w.seed, run_dir.root / "drafter_init"))
+
+
+def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any, drafter_path: str | None = None):
     """Engines and policy ranks, each in its bundle of the plan's placement group with the plan's
     per-actor resources (a colocated engine takes 0 GPUs: Ray accounts its GPUs to the policy ranks
     that share them)."""
@@ -313,7 +326,7 @@ def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any):
     from skyrl_mtp.trainer.policy_group import PolicyGroup
 
     placement, wcfg = plan.placement, plan.policy_worker
-    ecfg = plan.engine_for(model_path)
+    ecfg = plan.engine_for(model_path, eagle3_drafter_path=drafter_path)
     engine_options = [actor_options(placement_group, a) for a in placement.engines]
 
     def start_policy() -> PolicyGroup:

@@ -41,13 +41,16 @@ def policy_worker_config(cfg: DictConfig, memory: MemoryPlan | None = None):
 
     m, mtp = cfg.megatron, cfg.trainer.mtp
     po, ho = m.policy_optimizer, m.head_optimizer
-    enabled = bool(mtp.enabled)
+    external = external_drafter(cfg)
+    enabled = bool(mtp.enabled) and external is None   # the model's own MTP layers
     return PolicyWorkerConfig(
         tp=int(m.tp), pp=int(m.pp), dp=int(m.dp), ep=int(m.ep), moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
         draft_runner=str(cfg.generator.model_runner),
-        mtp_enabled=enabled,
+        mtp_enabled=enabled, drafter_kind=external or "mtp",
+        drafter_init=cfg.trainer.drafter.init if external else None,
+        drafter_layer_ids=tuple(cfg.trainer.drafter.layer_ids) if external and cfg.trainer.drafter.layer_ids else None,
         mtp_num_layers=(m.mtp_num_layers if enabled else 0), mtp_num_depths=train_depths(cfg),
-        mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if enabled else 0.0,
+        mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if mtp.enabled else 0.0,
         mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=m.mtp_loss_chunk_size,
         mtp_loss_position_fraction=float(mtp.loss_position_fraction),
         mtp_loss_depth_decay=float(mtp.loss_depth_decay),
@@ -61,6 +64,13 @@ def policy_worker_config(cfg: DictConfig, memory: MemoryPlan | None = None):
         micro_batch_size=int(m.micro_batch_size), seed=int(cfg.trainer.seed), dtype=str(m.dtype),
         recompute_activations=bool(m.recompute_activations), layer_impl=str(m.layer_impl),
         **_gpu_policy_fields(cfg, memory))
+
+
+def external_drafter(cfg: DictConfig) -> str | None:
+    """The kind of the drafter trained beside the policy (trainer.drafter.kind other than mtp) when the engines
+    speculate; None: the model's own MTP layers, or no speculation."""
+    kind = str(cfg.trainer.drafter.kind)
+    return kind if kind != "mtp" and bool(cfg.trainer.mtp.enabled) else None
 
 
 def _gpu_policy_fields(cfg: DictConfig, memory: MemoryPlan | None) -> dict[str, Any]:
@@ -358,11 +368,12 @@ class RunPlan:
     memory: MemoryPlan | None   # the GPU memory plan (config/memory_plan.py); None on CPU
     config: Any                 # the resolved config as plain containers: written to the run dir and the tracker
 
-    def engine_for(self, model_path: str | Path):
-        """The engines' config once the model they serve is known (the user's, the tiny one, or the warm start's)."""
+    def engine_for(self, model_path: str | Path, eagle3_drafter_path: str | None = None):
+        """The engines' config once the model they serve is known (the user's, the tiny one, or the warm start's)
+        and, for an EAGLE-3 run, the drafter they start with."""
         from dataclasses import replace
 
-        return replace(self.engine, model_path=str(model_path))
+        return replace(self.engine, model_path=str(model_path), eagle3_drafter_path=eagle3_drafter_path)
 
 
 def build_run_plan(cfg: DictConfig) -> RunPlan:

@@ -10,11 +10,14 @@ rank's shard holds only its experts (``rules_for_expert_rank``) and ``megatron_t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 
 from skyrl_mtp.models.families.base import WeightMappingError, WeightRule, chunk, rules_for_expert_rank
 
-__all__ = ["WeightMappingError", "hf_to_megatron", "load_into_model", "mapped_tensors", "megatron_to_hf",
+__all__ = ["WeightMappingError", "hf_to_megatron", "load_hf_weights", "load_into_model", "mapped_tensors", "megatron_to_hf",
            "model_params", "name_map", "weight_rules"]
 
 
@@ -104,3 +107,17 @@ def load_into_model(model: torch.nn.Module, mg_sd: dict[str, torch.Tensor]) -> N
 
 def model_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def load_hf_weights(hf_path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint, experts stored packed split into per-expert ones (packed_experts.py)."""
+    files = sorted(Path(hf_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in HF checkpoint {str(hf_path)!r}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    from skyrl_mtp.models.families.packed_experts import PackedExperts
+
+    packed = PackedExperts({k: tuple(t.shape) for k, t in out.items()})
+    return packed.unpack(out) if packed else out

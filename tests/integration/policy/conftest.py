@@ -29,6 +29,12 @@ def tiny_no_mtp_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_ckpt(tmp_path_factory) -> Path:
+    """A target without MTP layers, for the EAGLE-3 drafter (2 layers: aux ids (0, 1, 2))."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), TinyModelSpec(seed=0, family="llama"))
+
+
+@pytest.fixture(scope="session")
 def tiny_varied_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_varied")
     for f in tiny_ckpt.iterdir():

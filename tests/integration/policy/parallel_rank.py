@@ -19,6 +19,8 @@ def run_rank(rank, world, port, ckpt, cfg_kwargs, batches, out_path):
     lps = pol.compute_logprobs(shard(batches[0]))
     metrics = [pol.train_step(shard(b), "dapo", {}) for b in batches]
     weights = pol.export_weights()
+    if pol.drafter is not None:
+        weights.update(pol.iter_hf_weights("draft"))
     if rank == 0 or cfg.dp > 1:
         torch.save({"logprobs": lps, "metrics": metrics, "weights": weights if rank == 0 else None},
                    f"{out_path}.{rank}")

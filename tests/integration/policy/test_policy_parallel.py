@@ -1,4 +1,5 @@
-"""TP=2 and DP=2 (two gloo processes) give the same logprobs, losses and weights as TP=1."""
+"""TP=2 and DP=2 (two gloo processes) give the same logprobs, losses and weights as TP=1: with the MTP head, and with
+an EAGLE-3 drafter (replicated on every TP rank, trained against the vocab-parallel logits) on the tiny llama."""
 
 import pytest
 import torch
@@ -12,27 +13,42 @@ from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
 
 pytestmark = pytest.mark.integration
 CFG = dict(policy_lr=1e-3, head_lr=1e-3, micro_batch_size=2, seed=0, mtp_num_depths=2)
+EAGLE3 = dict(CFG, mtp_enabled=False, mtp_num_layers=0, drafter_kind="eagle3")
 
 
 def batches():
     return random_dapo_batches(2, 100, 4, 20, prompt_len=6, old_logprob=-4.0)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_ckpt):
-    pol = MegatronPolicy(PolicyWorkerConfig(**CFG), str(tiny_ckpt), 0, 1, "127.0.0.1", free_port())
+def _single_rank(ckpt, cfg: dict) -> dict:
+    pol = MegatronPolicy(PolicyWorkerConfig(**cfg), str(ckpt), 0, 1, "127.0.0.1", free_port())
     bs = batches()
     lps = pol.compute_logprobs(bs[0])
     metrics = [pol.train_step(b, "dapo", {}) for b in bs]
-    out = {"logprobs": lps, "metrics": metrics, "weights": pol.export_weights()}
+    weights = pol.export_weights()
+    if pol.drafter is not None:
+        weights.update(pol.iter_hf_weights("draft"))
     pol.capture.remove()
-    return out
+    return {"logprobs": lps, "metrics": metrics, "weights": weights}
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    return _single_rank(tiny_ckpt, CFG)
+
+
+@pytest.fixture(scope="module")
+def eagle3_reference(tiny_llama_ckpt):
+    return _single_rank(tiny_llama_ckpt, EAGLE3)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "eagle3"])
 @pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
-def test_two_ranks_match_single_rank(tiny_ckpt, reference, tmp_path, tp, dp):
+def test_two_ranks_match_single_rank(tiny_ckpt, tiny_llama_ckpt, request, tmp_path, tp, dp, drafter):
     out = tmp_path / "res"
-    mp.start_processes(run_rank, args=(2, free_port(), str(tiny_ckpt), dict(CFG, tp=tp, dp=dp), batches(), str(out)),
+    ckpt, cfg = (tiny_ckpt, CFG) if drafter == "mtp" else (tiny_llama_ckpt, EAGLE3)
+    reference = request.getfixturevalue("reference" if drafter == "mtp" else "eagle3_reference")
+    mp.start_processes(run_rank, args=(2, free_port(), str(ckpt), dict(cfg, tp=tp, dp=dp), batches(), str(out)),
                        nprocs=2, join=True, start_method="spawn")
     r0 = torch.load(f"{out}.0", weights_only=False)
     lps = r0["logprobs"] if dp == 1 else torch.cat([r0["logprobs"], torch.load(f"{out}.1", weights_only=False)["logprobs"]])

@@ -209,3 +209,36 @@ def test_one_step_off_is_one_step_stale_resumes_as_unbroken_and_leaves_the_polic
     assert summary["steps"] == 3 and summary["checkpoint"] == "step_3" and summary["trunk_tensors_compared"] > 10
     acc = "rollout/train/draft_acceptance_rate"
     assert on[3][acc] > off[3][acc] + 0.05, (on[3][acc], off[3][acc])   # the drafts really differed
+
+
+EAGLE3 = [*SMALL, "model.tiny.family=llama", "trainer.drafter.kind=eagle3", "trainer.total_steps=3",
+          "trainer.checkpoint.every_n_steps=3", "trainer.eval_every_n_steps=0", "logger.plots=false"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(tmp_path_factory, cli) -> Path:
+    run = tmp_path_factory.mktemp("rl") / "eagle3"
+    proc = cli([*EAGLE3, f"trainer.run_dir={run}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run
+
+
+def test_an_eagle3_drafter_trains_beside_the_policy_and_the_engines_draft_with_each_update(eagle3_run):
+    """The tiny llama (no MTP layers) with trainer.drafter.kind=eagle3: the engines start on the run's seeded
+    drafter export and draft with method eagle3; each step's sync carries the drafter trained in the policy worker,
+    so acceptance climbs from the untrained drafter's; the checkpoint holds the drafter, exported as vLLM loads it."""
+    from skyrl_mtp.drafters.eagle3_export import load_eagle3
+
+    info = json.loads((eagle3_run / "run_info.json").read_text())
+    assert info["engine_config"]["speculative_config"] == {
+        "method": "eagle3", "model": str(eagle3_run / "drafter_init"), "num_speculative_tokens": 2}
+    assert info["policy_worker_config"]["drafter_kind"] == "eagle3" and info["policy_worker_config"]["mtp_num_layers"] == 0
+    m = metrics(eagle3_run)
+    acc = [m[s]["rollout/train/draft_acceptance_rate_pos_1"] for s in (1, 2, 3)]
+    assert acc[0] < 0.15 and acc[-1] > acc[0] + 0.1, acc
+    assert m[3]["mtp/loss"] < m[1]["mtp/loss"] and m[3]["mtp/grad_norm"] > 0
+    initial, _ = load_eagle3(eagle3_run / "drafter_init")
+    trained, cfg = load_eagle3(eagle3_run / "checkpoints" / "step_3" / "draft_head")
+    assert cfg.aux_layer_ids == (0, 1, 2)
+    moved = {n: float((t - initial.state_dict()[n]).abs().max()) for n, t in trained.state_dict().items()}
+    assert min(moved.values()) > 0, moved

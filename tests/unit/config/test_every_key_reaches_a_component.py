@@ -28,7 +28,7 @@ from skyrl_mtp.trainer.run_plan import built_components
 BASE = ["recipe=tiny_dapo"]
 
 # key -> (the other value, {other keys set on BOTH sides so that the new value is valid}); a third item,
-# if any, holds MUST_MATCH keys that follow the change (set on the changed side only)
+# if any, holds MUST_MATCH keys (or the model) that follow the change (set on the changed side only)
 ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.run_dir": ("/tmp/elsewhere", {}),
     "trainer.resume": ("never", {}),
@@ -52,6 +52,10 @@ ALTERNATIVES: dict[str, tuple[typing.Any, dict[str, typing.Any]]] = {
     "trainer.mtp.explore_budget": (0.01, {"trainer.mtp.num_speculative_tokens": "auto"}),
     "trainer.mtp.policy_trace_dir": ("/tmp/trace", {"trainer.mtp.num_speculative_tokens": "auto"}),
     "trainer.async_rl.mode": ("one_step_off", {}),
+    # an EAGLE-3 drafter on a target vLLM captures hidden states of
+    "trainer.drafter.kind": ("eagle3", {}, {"model.tiny.family": "llama"}),
+    "trainer.drafter.layer_ids": ([0, 1, 2], {"model.tiny.family": "llama", "trainer.drafter.kind": "eagle3"}),
+    "trainer.drafter.init": ("<drafter_dir>", {"model.tiny.family": "llama", "trainer.drafter.kind": "eagle3"}),
     "trainer.async_rl.max_staleness": (2, {"trainer.async_rl.mode": "fully_async"}),
     "megatron.tp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
     "megatron.dp": (2, {}, {"trainer.placement.policy_num_workers": 2}),
@@ -175,7 +179,16 @@ def paths(tmp_path_factory):
     (root / "rows.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
                                                  "reward_model": {"ground_truth": "2"}, "question": "1+1",
                                                  "golden_answers": ["2"]}) + "\n")
-    return {"<model_dir>": str(root / "model"), "<data_file>": str(root / "rows.jsonl")}
+    from skyrl_mtp.drafters.eagle3 import Eagle3Config
+    from skyrl_mtp.drafters.eagle3_export import eagle3_hf_config
+
+    drafter = root / "drafter"   # what validation reads of an EAGLE-3 export: config.json and a weights file
+    drafter.mkdir()
+    cfg = Eagle3Config.from_target(hf_config(TinyModelSpec(family="llama"), None))
+    (drafter / "config.json").write_text(json.dumps(eagle3_hf_config(cfg)))
+    (drafter / "model.safetensors").touch()
+    return {"<model_dir>": str(root / "model"), "<data_file>": str(root / "rows.jsonl"),
+            "<drafter_dir>": str(drafter)}
 
 
 def _resolve(value, paths):
@@ -212,7 +225,8 @@ def test_changing_the_key_changes_a_built_component(key, base, paths):
     if key not in ALTERNATIVES:
         value = _default_alternative(key, default)
     follow = follow[0] if follow else {}
-    assert set(follow) <= set(MUST_MATCH), f"{key}: only MUST_MATCH keys may follow a change"
+    # (and the model: each drafter kind drafts for targets of its own)
+    assert set(follow) <= set(MUST_MATCH) | {"model.tiny.family"}, f"{key}: only MUST_MATCH keys may follow a change"
     before = built_components(_with(base, context, paths))
     after = built_components(_with(base, {**context, **follow, key: value}, paths))
     changed = sorted(name for name in before if before[name] != after[name])

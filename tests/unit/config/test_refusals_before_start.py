@@ -76,8 +76,8 @@ def test_a_checkpoint_without_mtp_layers_is_refused_when_drafting_also_by_the_pl
     ckpt = stand_in_checkpoint(tmp_path / "m", num_nextn_predict_layers=0)
     args = ["recipe=tiny_dapo", f"model.path={ckpt}", "trainer.mtp.num_speculative_tokens=3"]
     line = refusal(capsys, tmp_path, *args)
-    assert line.startswith(f"model.path='{ckpt}' is invalid: its config.json has num_nextn_predict_layers=0 but "
-                           "trainer.mtp.enabled=true")
+    assert line.startswith("trainer.drafter.kind='mtp' is invalid: cannot draft with the mimo model at model.path: it "
+                           "has no MTP layers (num_nextn_predict_layers=0)")
     assert main([*args, "--cfg", "plan"]) == 2   # --cfg plan no longer says "fits"
     assert "num_nextn_predict_layers=0" in capsys.readouterr().err
 

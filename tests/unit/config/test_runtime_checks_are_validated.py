@@ -89,7 +89,7 @@ CASES = [
     ("dense_expert_parallel", lambda t: ["megatron.ep=2", "megatron.dp=2", "trainer.placement.policy_num_workers=2"],
      _layout, ModelBuildError, "megatron.ep"),
     ("no_mtp_layers", lambda t: [f"model.path={stand_in_checkpoint(t / 'm', num_nextn_predict_layers=0)}"],
-     _engine, ValueError, "model.path"),
+     _engine, ValueError, "trainer.drafter.kind"),
     ("no_weights", lambda t: [f"model.path={_without_weights(stand_in_checkpoint(t / 'm'))}"],
      _engine, ValueError, "model.path"),
     ("managed_engine_arg", lambda t: ["generator.engine_kwargs.max_num_seqs=4"], _engine, ValueError,

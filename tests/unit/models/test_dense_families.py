@@ -175,27 +175,29 @@ def test_megatron_logits_equal_transformers(megatron_rank, family, tie):
 # ------------------------------------------------------------------------------------------ validation
 
 @pytest.mark.parametrize("family", DENSE)
-def test_mtp_enabled_is_refused_for_a_tiny_model_without_mtp_layers(family):
+def test_mtp_drafting_is_refused_for_a_tiny_model_without_mtp_layers(family):
     from skyrl_mtp.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as info:
         load_config(["recipe=tiny_dapo", f"model.tiny.family={family}"])
     assert info.value.problems == [
-        f"trainer.mtp.enabled=True is invalid: must be false with model.tiny.family='{family}': a {family} model has "
-        "no MTP layers (the engines would draft and the policy train with them)"]
-    cfg = load_config(["recipe=tiny_dapo", f"model.tiny.family={family}", "trainer.mtp.enabled=false"])
-    assert cfg.model.tiny.family == family
+        f"trainer.drafter.kind='mtp' is invalid: cannot draft with the tiny {family} model (model.tiny): it has no MTP "
+        "layers (num_nextn_predict_layers=0); allowed: 'eagle3' (targets ['LlamaForCausalLM', 'Qwen3ForCausalLM']), "
+        "or trainer.mtp.enabled=false (no speculation)"]
+    for ok in ("trainer.mtp.enabled=false", "trainer.drafter.kind=eagle3"):
+        cfg = load_config(["recipe=tiny_dapo", f"model.tiny.family={family}", ok])
+        assert cfg.model.tiny.family == family
 
 
-def test_mtp_enabled_is_refused_for_a_dense_checkpoint(tmp_path):
+def test_mtp_drafting_is_refused_for_a_dense_checkpoint(tmp_path):
     from skyrl_mtp.config import ConfigError, load_config
 
     ckpt = build_tiny_checkpoint(tmp_path / "llama", TinyModelSpec(family="llama"))
     with pytest.raises(ConfigError) as info:
         load_config(["recipe=tiny_dapo", f"model.path={ckpt}", "trainer.warm_start.enabled=false"])
     assert info.value.problems == [
-        f"model.path='{ckpt}' is invalid: its config.json is a llama model, which has no MTP layers, but "
-        "trainer.mtp.enabled=true (the engines draft and the policy trains with MTP layers); use a checkpoint with "
-        "MTP layers or set trainer.mtp.enabled=false"]
-    load_config(["recipe=tiny_dapo", f"model.path={ckpt}", "trainer.warm_start.enabled=false",
-                 "trainer.mtp.enabled=false"])
+        "trainer.drafter.kind='mtp' is invalid: cannot draft with the llama model at model.path: it has no MTP layers "
+        "(num_nextn_predict_layers=0); allowed: 'eagle3' (targets ['LlamaForCausalLM', 'Qwen3ForCausalLM']), or "
+        "trainer.mtp.enabled=false (no speculation)"]
+    for ok in ("trainer.mtp.enabled=false", "trainer.drafter.kind=eagle3"):
+        load_config(["recipe=tiny_dapo", f"model.path={ckpt}", "trainer.warm_start.enabled=false", ok])
