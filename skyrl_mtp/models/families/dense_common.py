@@ -1,10 +1,11 @@
-"""What the dense families without MTP layers share (Llama, Qwen3: a pre-norm RMSNorm decoder with grouped-query
-attention, NeoX RoPE and a SwiGLU MLP): their config fields, the Megatron model, the weight rules and the memory
-shape. A family module (llama.py, qwen3.py) says only how its config.json differs: Llama's optional q/k/v bias and
-Llama-3 RoPE scaling, Qwen3's per-head q/k RMSNorm.
+"""The dense decoder trunk the Llama-like families share (Llama, Qwen3, and MiMo's Qwen2 trunk: a pre-norm RMSNorm
+decoder with grouped-query attention, NeoX RoPE and a SwiGLU MLP): their config fields, the Megatron model, the
+weight rules and the memory shape. A family module says only how its config.json differs: Llama-3 RoPE scaling
+(llama.py), Qwen3's per-head q/k RMSNorm (qwen3.py), MiMo's q/k/v bias and MTP layers (mimo.py, through the
+``_mtp_*`` hooks below).
 
-These models carry no draft head: the policy builds none, a run drafts nothing (``trainer.mtp.enabled=false``;
-validation refuses true by name) and a weight sync sends the target only.
+Llama and Qwen3 carry no MTP layers: the policy builds none, and they draft with an external drafter
+(``trainer.drafter.kind=eagle3``) or not at all.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class DenseArgs:
     rms_norm_eps: float
     tie_word_embeddings: bool
     qk_norm: bool                       # per-head RMSNorm of q and k before RoPE (Qwen3)
-    num_nextn_predict_layers: int = 0   # never any: what resolve_mtp_layers and the bridge read
+    num_nextn_predict_layers: int = 0   # MTP layers of the checkpoint (MiMo); what resolve_mtp_layers reads
+    qkv_bias: bool = False              # biases on q, k and v (Qwen2 / MiMo)
 
     @property
     def family(self) -> DenseFamily:
@@ -120,17 +122,17 @@ def dense_fields(cfg: dict, family: str) -> dict:
     )
 
 
-def transformer_config(args: DenseArgs, *, tp: int = 1, dtype: str = "float32", recompute: bool = False,
-                       pp: int = 1):
+def transformer_config(args: DenseArgs, *, mtp_num_layers: int = 0, tp: int = 1, dtype: str = "float32",
+                       recompute: bool = False, pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_dtype(dtype)
     check_divisible(tp, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
                     intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
     return TransformerConfig(
-        **gated_rmsnorm_decoder_kwargs(args, qkv_bias=False),
+        **gated_rmsnorm_decoder_kwargs(args, qkv_bias=args.qkv_bias),
         qk_layernorm=args.qk_norm,
-        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=0, recompute=recompute, pp=pp),
+        **common_config_kwargs(tp=tp, dtype=dtype, mtp_num_layers=mtp_num_layers, recompute=recompute, pp=pp),
     )
 
 
@@ -144,29 +146,33 @@ _BLOCK_SIMPLE = {
 
 
 class DenseFamily(ModelFamily):
-    """A dense decoder without MTP layers; subclasses set the names and ``args_class``."""
+    """A dense decoder; subclasses set the names and ``args_class``, and a family with MTP layers (MiMo) sets
+    ``has_mtp_layers`` and fills the ``_mtp_*`` hooks."""
 
     args_class: type[DenseArgs] = DenseArgs
-    has_mtp_layers = False   # validation refuses trainer.mtp.enabled=true by it (config/model_dir.py)
+    has_mtp_layers = False   # no MTP layers: validation refuses trainer.drafter.kind=mtp for drafting by it
 
     @property
     def mtp_replay_inputs(self):
         raise ModelBuildError(f"a {self.name} model has no MTP layers: there is no draft head to replay")
 
     def declared_mtp_layers(self, hf_cfg: dict) -> int:
-        return 0
+        return super().declared_mtp_layers(hf_cfg) if self.has_mtp_layers else 0
 
     def args_from_config(self, hf_cfg: dict) -> DenseArgs:
         return self.args_class.from_hf_config(hf_cfg)
+
+    def _refuse_mtp(self, key: str, n: int) -> None:
+        if n and not self.has_mtp_layers:
+            raise ModelBuildError(f"{key}={n}: a {self.name} model has no MTP layers; allowed: 0 (it drafts with "
+                                  "trainer.drafter.kind=eagle3, or trainer.mtp.enabled=false)")
 
     def build_model(self, args: DenseArgs, *, mtp_num_layers: int, tp: int = 1, ep: int = 1,
                     dtype: str = "float32", moe_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0,
                     recompute: bool = False, transformer_engine: bool | None = None, pp: int = 1, pp_rank: int = 0,
                     sdpa: bool = False):
         self.check_parallel(args, tp=tp, ep=ep, pp=pp)
-        if mtp_num_layers:
-            raise ModelBuildError(f"mtp_num_layers={mtp_num_layers}: a {self.name} model has no MTP layers; "
-                                  "allowed: 0 (trainer.mtp.enabled=false)")
+        self._refuse_mtp("mtp_num_layers", mtp_num_layers)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_local_spec,
@@ -175,10 +181,12 @@ class DenseFamily(ModelFamily):
 
         te = use_transformer_engine(transformer_engine)
         stage = pipeline_stage_flags(args, pp=pp, pp_rank=pp_rank)
-        config = transformer_config(args, tp=tp, dtype=dtype, recompute=recompute, pp=pp)
+        config = transformer_config(args, mtp_num_layers=mtp_num_layers, tp=tp, dtype=dtype, recompute=recompute,
+                                    pp=pp)
+        # TE: fused RMSNorm + linear, fused / flash causal attention; local: the CPU path (materialised scores)
         layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm) if te
                       else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm))
-        if sdpa:
+        if sdpa:   # an MTP layer's spec is built from this one: it gets the same core attention
             set_core_attention([layer_spec], te, sdpa=True)
         scaling = {} if args.rope_scaling_factor is None else {
             "rope_scaling": True, "rope_scaling_factor": args.rope_scaling_factor}
@@ -191,9 +199,14 @@ class DenseFamily(ModelFamily):
             share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=rope_base(args.rope_theta),
+            mtp_block_spec=self._mtp_block_spec(config, layer_spec, mtp_num_layers, te=te, pp_rank=pp_rank),
             **scaling,
         )
         return model.to(check_dtype(dtype))
+
+    def _mtp_block_spec(self, config, layer_spec, mtp_num_layers: int, *, te: bool, pp_rank: int):
+        """megatron-core's MTP block spec of a family with MTP layers; None without (or off the last stage)."""
+        return None
 
     def _block_rules(self, args: DenseArgs, mg: str, hf: str) -> dict[str, WeightRule]:
         out = {mg + m: (copy_rule(hf + h) if d is None else split_rule(hf + h, d))
@@ -201,6 +214,9 @@ class DenseFamily(ModelFamily):
         qkv = dict(heads=args.num_heads, groups=args.num_kv_heads, head_dim=args.head_dim, gated=False)
         out[mg + "self_attention.linear_qkv.weight"] = grouped_qkv_rule(
             [f"{hf}self_attn.{x}_proj.weight" for x in "qkv"], **qkv)
+        if args.qkv_bias:
+            out[mg + "self_attention.linear_qkv.bias"] = grouped_qkv_rule(
+                [f"{hf}self_attn.{x}_proj.bias" for x in "qkv"], **qkv)
         if args.qk_norm:
             out[mg + "self_attention.q_layernorm.weight"] = copy_rule(hf + "self_attn.q_norm.weight")
             out[mg + "self_attention.k_layernorm.weight"] = copy_rule(hf + "self_attn.k_norm.weight")
@@ -211,28 +227,37 @@ class DenseFamily(ModelFamily):
 
     def weight_rules(self, args: DenseArgs, mtp_layers: int, *,
                      transformer_engine: bool | None = None) -> dict[str, WeightRule]:
-        if mtp_layers:
-            raise ModelBuildError(f"mtp_layers={mtp_layers}: a {self.name} model has no MTP layers; allowed: 0")
+        self._refuse_mtp("mtp_layers", mtp_layers)
         rules = {"embedding.word_embeddings.weight": split_rule("model.embed_tokens.weight", 0)}
         for i in range(args.num_layers):
             rules.update(self._block_rules(args, f"decoder.layers.{i}.", f"model.layers.{i}."))
         rules["decoder.final_layernorm.weight"] = copy_rule("model.norm.weight")
+        rules.update(self._mtp_weight_rules(args, mtp_layers))
         if not args.tie_word_embeddings:
             rules["output_layer.weight"] = split_rule("lm_head.weight", 0)
         te = transformer_engine_available() if transformer_engine is None else transformer_engine
         return rename_for_transformer_engine(rules) if te else rules
 
+    def _mtp_weight_rules(self, args: DenseArgs, mtp_layers: int) -> dict[str, WeightRule]:
+        return {}
+
+    def _block_params(self, args: DenseArgs) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of one decoder block."""
+        h, a, g, d, f = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size
+        attention = 2 * h * a * d + 2 * h * g * d + ((a + 2 * g) * d if args.qkv_bias else 0)   # q, o, k, v (+bias)
+        return attention + 3 * h * f, 2 * h + (2 * d if args.qk_norm else 0)   # + gate, up, down; norms (+ q/k)
+
     def memory_shape(self, args: DenseArgs, mtp_layers: int) -> ModelShape:
-        h, a, g, d, f, v = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
-                            args.intermediate_size, args.vocab_size)
-        attention = 2 * h * a * d + 2 * h * g * d                        # q, o, k, v
-        norms = 2 * h + (2 * d if args.qk_norm else 0)                   # input / post-attention (+ q / k norms)
+        h, a, d, f, v = args.hidden_size, args.num_heads, args.head_dim, args.intermediate_size, args.vocab_size
+        sharded, replicated = self._block_params(args)
         return ModelShape(
-            hidden=h, layers=args.num_layers, attention_layers=args.num_layers, heads=a, kv_heads=g, head_dim=d,
-            intermediate=f, vocab=v,
-            params_sharded=args.num_layers * (attention + 3 * h * f) + v * h * (1 if args.tie_word_embeddings else 2),
-            params_replicated=args.num_layers * norms + h, mtp_layers=0, mtp_params_sharded=0,
-            mtp_params_replicated=0, largest_tensor=max(v * h, f * h, a * d * h))
+            hidden=h, layers=args.num_layers, attention_layers=args.num_layers, heads=a, kv_heads=args.num_kv_heads,
+            head_dim=d, intermediate=f, vocab=v,
+            params_sharded=args.num_layers * sharded + v * h * (1 if args.tie_word_embeddings else 2),
+            params_replicated=args.num_layers * replicated + h, mtp_layers=mtp_layers,
+            mtp_params_sharded=mtp_layers * (sharded + 2 * h * h),   # an MTP layer's block + its input projection
+            mtp_params_replicated=mtp_layers * (replicated + 3 * h),   # + its two input norms and final norm
+            largest_tensor=max(v * h, f * h, a * d * h))
 
     def ignorable_hf_names(self, args: DenseArgs, mtp_layers: int, hf: dict) -> set[str]:
         out = {k for k in hf if k.endswith(".rotary_emb.inv_freq")}   # older Llama checkpoints store RoPE's buffer

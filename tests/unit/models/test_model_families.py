@@ -336,12 +336,12 @@ def test_transformer_engine_weight_names_follow_megatrons_own_map_of_the_fused_n
 
 @pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
 def test_recompute_reaches_the_built_transformer_config(family):
-    from skyrl_mtp.models.families import mimo, qwen3_5
+    from skyrl_mtp.models.families import dense_common, mimo, qwen3_5
 
     if family == "mimo":
         args = mimo.HFModelArgs.from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                                 "intermediate_size": 128, "vocab_size": 320})
-        build = mimo.transformer_config
+        build = dense_common.transformer_config
     else:
         args, build = Qwen35Args.from_hf_config(qwen_cfg()), qwen3_5.transformer_config
     on, off = build(args, mtp_num_layers=1, recompute=True), build(args, mtp_num_layers=1)
