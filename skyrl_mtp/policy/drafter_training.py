@@ -35,7 +35,8 @@ class Eagle3Training:
         self.capture = LayerHiddenCapture(model, self.config.aux_layer_ids)
         self.side = TorchSideOptimizer(list(self.drafter.parameters()), lr=cfg.head_lr,
                                        weight_decay=cfg.head_weight_decay, betas=cfg.head_betas, eps=cfg.head_eps,
-                                       grad_clip=cfg.head_grad_clip, dp_group=dp_group, tp_group=None)
+                                       grad_clip=cfg.head_grad_clip, dp_group=dp_group, tp_group=None,
+                                       name="drafter")
         self.sched = lr_scheduler(self.side.torch_optimizer, schedule=cfg.head_lr_schedule,
                                   warmup_steps=cfg.head_lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
 

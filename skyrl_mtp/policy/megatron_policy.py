@@ -173,7 +173,7 @@ class MegatronPolicy(PipelinedSteps):
                                                   head_kw=hkw, fused_adam=cfg.fused_adam)
         groups = dict(dp_group=self.dp_group, tp_group=self.tp_group, ep_group=self.ep_group,
                       expert_dp_group=self.expert_dp_group)
-        head = TorchSideOptimizer(head_params, **hkw, **groups) if head_params else None
+        head = TorchSideOptimizer(head_params, **hkw, **groups, name="head") if head_params else None
         # the policy's grad norm is the whole model's: summed over the pipeline stages too (the head is on one)
         return TorchSideOptimizer(self.policy_params, **pkw, **groups, pp_group=self.pp_group), head
 

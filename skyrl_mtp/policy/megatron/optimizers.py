@@ -129,10 +129,27 @@ class TorchSideOptimizer:
     ``distributed_optimizer.MegatronSideOptimizer`` is the GPU twin with the same methods."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
-                 grad_clip: float, dp_group, tp_group, ep_group=None, expert_dp_group=None, pp_group=None):
+                 grad_clip: float, dp_group, tp_group, ep_group=None, expert_dp_group=None, pp_group=None,
+                 name: str = "policy"):
         self.params, self.grad_clip, self.dp_group, self.tp_group = params, grad_clip, dp_group, tp_group
         self.ep_group, self.expert_dp_group, self.pp_group = ep_group, expert_dp_group, pp_group
         self.opt = build_optimizer(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        self.name = name
+
+    def _move_state(self, device: torch.device) -> None:
+        for state in self.opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:   # fused AdamW keeps its step count as is
+                    state[key] = value.to(device)
+
+    def offload_to_host(self) -> None:
+        """Colocated engines awake: the grads are spent once the step is taken (freed), Adam's moments go to host
+        memory (the side's parameters stay: the engines' weight sync reads them)."""
+        self.zero_grad()
+        self._move_state(torch.device("cpu"))
+
+    def restore_to_device(self) -> None:
+        self._move_state(self.params[0].device)
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:

@@ -84,3 +84,26 @@ def test_megatrons_distributed_optimizer_steps_the_same_with_the_fused_kernel(tm
         assert abs(foreach["metrics"][key] - fused["metrics"][key]) < 1e-5 * abs(foreach["metrics"][key]), key
     for name, w in foreach["weights"].items():
         assert (w - fused["weights"][name]).abs().max() < 1e-5, name
+
+
+def test_a_torch_side_handed_to_colocated_engines_and_back_steps_as_if_it_never_left():
+    """TorchSideOptimizer.offload_to_host frees the spent grads and moves Adam's moments to host memory (on a CPU rank
+    a move in place), restore_to_device brings them back: the next steps equal those of a side that stayed."""
+    from skyrl_mtp.policy.megatron.optimizers import TorchSideOptimizer
+
+    def side(seed):
+        p = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(seed)))
+        return p, TorchSideOptimizer([p], lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, grad_clip=1.0,
+                                     dp_group=None, tp_group=None, name="drafter")
+
+    (a, sa), (b, sb) = side(0), side(0)
+    for step in range(4):
+        for p, s in ((a, sa), (b, sb)):
+            s.zero_grad()
+            (p * torch.arange(128.0).view(16, 8) * (step + 1)).pow(2).sum().backward()
+            s.step()
+        if step == 1:
+            sb.offload_to_host()
+            assert b.grad is None and all(v.device.type == "cpu" for v in sb.opt.state[b].values())
+            sb.restore_to_device()
+    assert torch.equal(a, b) and sb.name == "drafter"
