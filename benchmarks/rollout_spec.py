@@ -1,9 +1,14 @@
-"""Rollout throughput with and without MTP speculative decoding (vLLM, same engine build, same prompts).
+"""Rollout throughput with and without speculative decoding (vLLM, same engine build, same prompts).
 
 Why it exists: speculative decoding only pays when drafts are accepted AND drafting is cheap next to the
 target forward. This measures both ends: an oracle MTP head (drafts always accepted: the upper bound)
 and a random head (drafts never accepted: the lower bound, the pure cost of speculating), for k = 1..3,
 against no speculative decoding, on a model big enough that CPU decoding is not pure per-step overhead.
+Trained drafters are measured the same way, side by side: an RL run's MTP head (`--draft-heads trained
+--trained-ckpt RUN/checkpoints/step_N`) and an RL run's EAGLE-3 drafter (`--draft-heads eagle3 --eagle3-ckpt
+RUN/checkpoints/step_N`: the target in hf/, the drafter in draft_head/; without it, the tiny Llama and a fresh
+drafter, untrained); `--task-prompts` serves the arithmetic task's held-out questions through the checkpoint's chat
+template (what the runs trained on) instead of random token ids.
 
 Every head gets one engine per k (and a no-spec one: the checkpoints' trunks differ), all alive at once;
 at every batch size in turn (--batches; max_num_seqs is the largest) they are timed round-robin, one
@@ -28,6 +33,8 @@ relative to a target forward, is estimated from parameter counts (MTP layer + sh
 trunk + lm_head, matmul FLOPs per token); the measured lower bound shows how good that estimate is.
 
     python benchmarks/rollout_spec.py [--json OUT] [--ks 1 2 3 auto] [--batches 1 16 64] [--max-tokens 64]
+    python benchmarks/rollout_spec.py --draft-heads trained eagle3 --trained-ckpt MTP_RUN/checkpoints/step_100 \
+        --eagle3-ckpt EAGLE3_RUN/checkpoints/step_100 --task-prompts --ks 1 2 3
 """
 
 from __future__ import annotations
@@ -43,8 +50,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 # --quick: a smoke size (no-spec and auto-k engines, a small model, one repetition); explicit flags still win
-QUICK = dict(draft_heads=["oracle"], ks=["auto"], batches=[2], prompt_len=8, max_tokens=16, reps=1, hidden=128, layers=2, heads=2, kv_heads=1,
-             intermediate=384, vocab=1024)
+QUICK = dict(draft_heads=["oracle", "eagle3"], ks=["auto", "1"], batches=[2], prompt_len=8, max_tokens=16, reps=1,
+             hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, vocab=1024)
 
 
 def draft_cost_ratio(spec) -> float:
@@ -54,6 +61,31 @@ def draft_cost_ratio(spec) -> float:
     block = h * spec.heads * d * 2 + h * spec.kv_heads * d * 2 + 3 * h * i
     lm_head = v * h
     return (block + 2 * h * h + lm_head) / (spec.layers * block + lm_head)
+
+
+def eagle3_cost_ratio(target: dict, drafter: dict) -> float:
+    """The same ratio for an EAGLE-3 draft step (fc over three hidden states, one layer whose q/k/v read 2H, the
+    shared lm_head) over one target step, from the two config.json files."""
+    h, f, v = target["hidden_size"], target["intermediate_size"], target["vocab_size"]
+    a, g = target["num_attention_heads"], target.get("num_key_value_heads") or target["num_attention_heads"]
+    d = target.get("head_dim") or h // a
+    block = h * a * d * 2 + h * g * d * 2 + 3 * h * f
+    da, dg = drafter["num_attention_heads"], drafter["num_key_value_heads"]
+    dd, df = drafter["head_dim"], drafter["intermediate_size"]
+    layer = 2 * h * (da + 2 * dg) * dd + da * dd * h + 3 * h * df
+    return (3 * h * h + layer + v * h) / (target["num_hidden_layers"] * block + v * h)
+
+
+def task_prompts(model_dir: str, n: int) -> list[list[int]]:
+    """The arithmetic task's held-out questions, through the checkpoint's chat template, as an RL run encodes them."""
+    from transformers import AutoTokenizer
+
+    from skyrl_mtp.data.arithmetic_task import ArithmeticTaskConfig, generate_rows
+    from skyrl_mtp.envs.environments import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = generate_rows(ArithmeticTaskConfig(num_train=0, num_test=max(n, 32), seed=1))["test"]
+    return [encode_prompt(tokenizer, r["prompt"]) for r in rows[:n]]
 
 
 def worker_spin_seconds() -> float:
@@ -243,9 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", nargs="+", default=["1", "2", "3", "auto"], help="ints >= 1 and/or auto")
     ap.add_argument("--auto-max", type=int, default=3, help="the maximum k of the auto rows")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--draft-heads", nargs="+", default=["oracle", "random"], choices=["oracle", "random", "trained"],
-                    help="trained: the head in --trained-ckpt (benchmarks/draft_head_training.py --save-trained)")
-    ap.add_argument("--trained-ckpt", default=None, help="an HF checkpoint with the oracle's trunk and a trained head")
+    ap.add_argument("--draft-heads", nargs="+", default=["oracle", "random"],
+                    choices=["oracle", "random", "trained", "eagle3"],
+                    help="trained: the MTP head in --trained-ckpt; eagle3: the EAGLE-3 drafter of --eagle3-ckpt")
+    ap.add_argument("--trained-ckpt", default=None,
+                    help="an HF checkpoint with a trained MTP head (benchmarks/draft_head_training.py --save-trained), "
+                         "or an RL run's checkpoint directory (its hf/)")
+    ap.add_argument("--eagle3-ckpt", default=None,
+                    help="an RL run's checkpoint directory with hf/ (the target) and draft_head/ (its EAGLE-3 drafter); "
+                         "default: the tiny Llama of this shape and a fresh, untrained drafter")
+    ap.add_argument("--task-prompts", action="store_true",
+                    help="the arithmetic task's held-out questions (chat template of each checkpoint) as prompts")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (rollouts per engine and batch)")
@@ -263,8 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         a = ap.parse_args(argv)
     if any(not (k == "auto" or (k.isdigit() and int(k) >= 1)) for k in a.ks):
         ap.error(f"--ks={a.ks} is invalid: every k must be an int >= 1 or auto (k=0, no spec, is always measured)")
+    if a.trained_ckpt and (Path(a.trained_ckpt) / "hf" / "config.json").is_file():
+        a.trained_ckpt = str(Path(a.trained_ckpt) / "hf")   # an RL run's checkpoint: its HF export
     if "trained" in a.draft_heads and not (a.trained_ckpt and (Path(a.trained_ckpt) / "config.json").is_file()):
         ap.error(f"--draft-heads trained needs --trained-ckpt (an HF checkpoint directory); got {a.trained_ckpt!r}")
+    if a.eagle3_ckpt and not all((Path(a.eagle3_ckpt) / d / "config.json").is_file() for d in ("hf", "draft_head")):
+        ap.error(f"--eagle3-ckpt={a.eagle3_ckpt!r} is invalid: expected an RL run's checkpoint directory with hf/ and "
+                 "draft_head/ (trainer.drafter.kind=eagle3)")
     if a.auto_max < 1 or any(b < 1 for b in a.batches):
         ap.error(f"--auto-max={a.auto_max} and --batches={a.batches} must be >= 1")
     a.ks = [k if k == "auto" else int(k) for k in a.ks]
@@ -285,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     random_ckpt = cached_tiny_checkpoint(a.cache, TinyModelSpec(head="random", **shape))
     c = draft_cost_ratio(TinyModelSpec(**shape))
 
+    targets = {"random": (str(random_ckpt), None), "oracle": (str(oracle), None), "trained": (a.trained_ckpt, None),
+               "eagle3": eagle3_target(a, shape) if "eagle3" in a.draft_heads else None}
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(max(a.batches))]
+    random_prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(max(a.batches))]
     sampling = dict(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=1)
-    base = dict(max_model_len=a.prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batches),
+    prompt_len = max(len(p) for p in task_prompts(targets[a.draft_heads[0]][0], 1)) + 16 if a.task_prompts \
+        else a.prompt_len
+    base = dict(max_model_len=prompt_len + a.max_tokens + 16, max_num_seqs=max(a.batches),
                 kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, dtype="float32", seed=0,
                 disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION_CLS)
 
@@ -297,12 +346,17 @@ def main(argv: list[str] | None = None) -> int:
         # one engine per k, all alive at once and timed round-robin (k = 0 too: the checkpoints' trunks
         # differ, so each head has its own no-spec reference); the weight sync itself is measured by the
         # trainer (sync/* metrics)
-        path = str({"random": random_ckpt, "oracle": oracle, "trained": a.trained_ckpt}[head])
+        path, drafter = targets[head]
+        prompts = task_prompts(path, max(a.batches)) if a.task_prompts else random_prompts
+        cost = c if drafter is None else eagle3_cost_ratio(*(json.loads((Path(p) / "config.json").read_text())
+                                                             for p in (path, drafter)))
+        ks = [k for k in a.ks if not (drafter and k == "auto")]   # auto k drafts with MTP heads only
         engines: dict = {}
         try:
-            for k in [0, *a.ks]:
+            for k in [0, *ks]:
                 eng_cfg = EngineConfig(model_path=path, num_speculative_tokens=a.auto_max if k == "auto" else k,
-                                       max_num_seqs=max(a.batches), adaptive_speculation=k == "auto")
+                                       max_num_seqs=max(a.batches), adaptive_speculation=k == "auto",
+                                       draft_model_path=drafter if k else None)
                 managed = eng_cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS)
                 sched = {key: managed[key] for key in ("scheduler_cls", "async_scheduling", "additional_config")
                          } if k == "auto" else {}
@@ -315,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                 for k, r in measured.items():
                     per_rep = paired_speedup(r["times"], ref["times"])
                     speedup = min(ref["times"]) / min(r["times"])
-                    predicted = (1 + sum(r["per_pos"])) / (1 + k * c) if isinstance(k, int) and k else (
+                    predicted = (1 + sum(r["per_pos"])) / (1 + k * cost) if isinstance(k, int) and k else (
                         1.0 if not k else None)
-                    rows.append({"head": head, "k": k, "batch": batch, "tokens_per_s": r["tokens_per_s"],
+                    rows.append({"head": head, "k": k, "batch": batch, "draft_cost_ratio": cost,
+                                 "tokens_per_s": r["tokens_per_s"],
                                  "no_spec_tokens_per_s": ref["tokens_per_s"],
                                  "acceptance_rate": r["acceptance_rate"],
                                  "mean_acceptance_length": r["mean_acceptance_length"],
@@ -335,9 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
-    print(f"\nmodel: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} vocab={a.vocab} fp32; "
-          f"prompt_len={a.prompt_len} max_tokens={a.max_tokens} (greedy, EOS ignored); "
-          f"draft cost ratio c={c:.3f} (parameter estimate)")
+    print(f"\nmodel: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} vocab={a.vocab} fp32 (oracle / "
+          f"random heads; trained ones: their checkpoints'); prompts: "
+          f"{'the arithmetic task' if a.task_prompts else f'{a.prompt_len} random tokens'}; max_tokens={a.max_tokens} "
+          f"(greedy, EOS ignored); draft cost ratio c={c:.3f} for the MTP heads (parameter estimate; each row's own "
+          "in the JSON)")
     print(f"{'head':>7} {'k':>5} {'batch':>5} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'k_mean':>6} {'speedup':>8} "
           f"{'per-round range':>15} {'median':>6} {'predicted':>9} {'same':>5}")
     for row in rows:
@@ -350,6 +407,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0
+
+
+def eagle3_target(a, shape: dict) -> tuple[str, str]:
+    """(target checkpoint, EAGLE-3 drafter export) of the eagle3 head: --eagle3-ckpt's, or the tiny Llama of the
+    benchmark's shape with a fresh drafter (seed 0, untrained)."""
+    if a.eagle3_ckpt:
+        return str(Path(a.eagle3_ckpt) / "hf"), str(Path(a.eagle3_ckpt) / "draft_head")
+    from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
+    from skyrl_mtp.policy.config import PolicyWorkerConfig
+    from skyrl_mtp.policy.drafter_training import write_initial_export
+
+    target = cached_tiny_checkpoint(a.cache, TinyModelSpec(family="llama", **{**shape, "mtp_layers": 0}))
+    fresh = PolicyWorkerConfig(drafter_kind="eagle3", mtp_enabled=False, seed=0)
+    return str(target), str(write_initial_export(fresh, target, Path(a.cache) / f"eagle3-{target.name}"))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ LAYER_IMPLS = ("local", "sdpa", "transformer_engine")
 ASYNC_RL_MODES = ("sync", "one_step_off", "fully_async")     # trainer.async_rl.mode
 OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")   # algorithm.off_policy.correction
 TIS_LEVELS = ("token", "sequence")            # algorithm.off_policy.tis_level
-# trainer.drafter.kind: the model's own MTP head, or an EAGLE-3 drafter trained beside it
-DRAFTER_KINDS = ("mtp", "eagle3")
+# trainer.drafter.kind: the model's own MTP head, or an EAGLE-3 / DFlash drafter trained beside it
+DRAFTER_KINDS = ("mtp", "eagle3", "dflash")
 
 # Tokens per chunk of the draft loss: an int (0 = all tokens at once) or "auto", as many tokens as keep
 # one chunk's logits on a rank's vocab shard at MTP_LOSS_CHUNK_AUTO_ELEMENTS (512 MiB in fp32): few chunks

@@ -23,6 +23,7 @@ class EngineProcessSettings:
     draft_invariant_sampling: bool = True    # vllm_patches/draft_invariant_sampling.py (CPU workers)
     pipeline_parallel_patch: bool = False    # vllm_patches/pipeline_parallel.py (engines with PP > 1, V1 runner)
     model_family: str | None = None          # the served family whose vLLM model code must be importable
+    dflash_patches: bool = False             # vllm_patches/dflash_*.py (CPU engines drafting with DFlash)
 
     def to_env(self) -> dict[str, str]:
         return {ENV_VAR: json.dumps(asdict(self), sort_keys=True)}

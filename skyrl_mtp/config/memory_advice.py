@@ -61,6 +61,7 @@ def training_fixes(cfg: Any, hf_cfg: dict, phase: str, replan: Callable[..., Any
         candidates.append({"megatron.tp": 2 * int(m.tp), "megatron.dp": int(m.dp) // 2})
     if str(m.layer_impl) == "local":   # each of the above with SDPA too
         candidates += [{"megatron.layer_impl": "sdpa", **c} for c in candidates[1:]]
+    candidates += _drafter_fixes(cfg)
     out = []
     for changes in candidates:
         try:
@@ -79,6 +80,17 @@ def training_fixes(cfg: Any, hf_cfg: dict, phase: str, replan: Callable[..., Any
     return kept[:4]
 
 
+def _drafter_fixes(cfg: Any) -> list[dict[str, Any]]:
+    """An EAGLE-3 drafter's loss grows with its unrolled passes (config/memory_drafter.py), which no policy setting
+    shrinks: fewer trained depths (each depth trains its own pass; the engines may still draft k)."""
+    from skyrl_mtp.config.memory_drafter import external_drafter_kind
+    from skyrl_mtp.config.mtp_knob import train_depths
+
+    if external_drafter_kind(cfg) is None:
+        return []
+    return [{"trainer.mtp.train_depths": d} for d in range(train_depths(cfg) - 1, 0, -1)]
+
+
 def _fmt(changes: dict[str, Any]) -> str:
     return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
 
@@ -88,8 +100,8 @@ def training_sum(plan: Any) -> str:
     peaks (named), and a sleeping engine's allowance where one shares the GPU."""
     p, e = plan.policy, plan.engine
     step, _ = p.step_peak
-    parts = {"weights": p.weights, "grads": p.grads, "optimizer": p.optimizer, "process overhead": p.overhead,
-             **p.step_phases[step]}
+    parts = {"weights": p.weights, "grads": p.grads, "optimizer": p.optimizer, "drafter (fp32, AdamW)": p.drafter,
+             "process overhead": p.overhead, **p.step_phases[step]}
     if plan.colocated:
         parts["sleeping engine"] = e.asleep
     total = sum(parts.values())

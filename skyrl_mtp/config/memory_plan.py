@@ -7,20 +7,24 @@ free). The plan adds up every part for each phase of a step, refuses a config th
 `trainer.placement.gpu_memory_gb` (naming settings that would), sets the engines' `gpu_memory_utilization`, and
 decides whether grads and optimizer state go to host memory while the engines are awake.
 
-What is counted (bytes per GPU; the formulas are the functions below, each citing the megatron-core / torch code
-it models, checked by hand and against eight rows measured on an H200 in tests/unit/cluster/test_memory_plan.py):
+What is counted (bytes per GPU; the formulas are the functions of config/memory_formulas.py and, for a drafter
+trained beside the policy, config/memory_drafter.py, each citing the megatron-core / torch / vLLM code it models,
+checked by hand and against eight rows measured on an H200 in tests/unit/cluster/test_memory_plan.py):
 - policy (Megatron, TP x DP): bf16 weights, fp32 grad buffer (DDP grad_reduce_in_fp32), distributed optimizer
-  (fp32 master copy + Adam's two moments, sharded over DP), for the policy and, separately, the MTP head;
+  (fp32 master copy + Adam's two moments, sharded over DP), for the policy and, separately, the MTP head; an
+  EAGLE-3 drafter's fp32 weights, grads and AdamW moments, whole on every rank;
 - a training step in three phases, each on top of that state: forward and backward (a micro-batch's saved
   activations, with or without full recompute, one attention layer's backward and the logits), the draft loss
-  (after the policy's backward: the logits and the MTP head's replay), the optimizer step (torch's foreach AdamW
-  allocates an fp32 temporary of every parameter; the fused kernels none). The attention that runs
+  (after the policy's backward: the logits and the MTP head's replay, or the EAGLE-3 drafter's captured states,
+  unrolled passes and fp32 attention scores), the optimizer step (torch's foreach AdamW allocates an fp32
+  temporary of every parameter; the fused kernels none). The attention that runs
   (megatron.layer_impl): the local spec keeps the [S, S] softmax (fp32) and its bf16 copy per head, writes the raw
   scores into a global buffer that outlives the step, and its backward holds fp32 gradients of one layer's scores;
   SDPA's and Transformer Engine's kernels keep q, k, v and the output only. The policy's forward does not run the
   MTP layers (mtp/native_loss_patch.py); the draft loss replays them;
-- the engine (per GPU of an engine): weights, MTP drafter, KV cache (generator.kv_cache_memory_mb) and how many
-  tokens it holds, activations of a max_num_batched_tokens step, CUDA graphs, vLLM's gpu_memory_utilization;
+- the engine (per GPU of an engine): weights, drafter (MTP layers, or EAGLE-3's layer and the aux states it
+  reads), KV cache (generator.kv_cache_memory_mb) and how many tokens it holds (the drafter's layers' K and V too),
+  activations of a max_num_batched_tokens step, CUDA graphs, vLLM's gpu_memory_utilization;
 - fixed allowances per process (CUDA context, NCCL: outside torch's allocator), the cuBLAS workspaces torch's
   allocator counts, and a 5% headroom for fragmentation (what the allocator reserves beyond what it hands out:
   benchmarks/train_step_gpu.py reports torch.cuda.max_memory_reserved next to max_memory_allocated).
@@ -33,23 +37,39 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from skyrl_mtp.config.memory_advice import fmt_bytes, plan_problems
+from skyrl_mtp.config.memory_drafter import (
+    DRAFTER_STATE_BYTES,
+    DRAFTER_WEIGHT_BYTES,
+    eagle3_draft_loss_parts,
+    eagle3_engine_activation_bytes,
+    eagle3_engine_weight_bytes,
+    eagle3_param_count,
+    external_drafter_kind,
+)
+from skyrl_mtp.config.memory_formulas import (  # noqa: F401 - the plan's numbers, importable from here as before
+    CUDA_GRAPHS,
+    DRAFT_CHUNK_BYTES_PER_LOGIT,
+    DTYPE_BYTES,
+    ENGINE_OVERHEAD,
+    FOREACH_ADAM_TEMP_BYTES,
+    GIB,
+    HEADROOM,
+    MIB,
+    POLICY_OVERHEAD,
+    VLLM_BATCHED_TOKENS,
+    WORKSPACES,
+    activation_bytes,
+    attention_backward_bytes,
+    attention_buffer_bytes,
+    attention_score_bytes,
+    draft_loss_bytes,
+    ipc_buffer_bytes,
+    kv_bytes_per_token,
+    layer_activation_elements,
+    logits_bytes,
+    train_sequence_length,
+)
 from skyrl_mtp.errors import problem
-
-GIB = 2**30
-MIB = 2**20
-HEADROOM = 0.05                     # share of each GPU kept free (allocator fragmentation)
-POLICY_OVERHEAD = int(1.5 * GIB)    # a policy rank's CUDA context, NCCL communicators, Megatron's buffers
-ENGINE_OVERHEAD = 1 * GIB           # an engine worker's CUDA context, NCCL, vLLM workspaces
-CUDA_GRAPHS = 1 * GIB               # vLLM's graph pool (enforce_eager=false); kept while a sleep-mode engine sleeps
-VLLM_BATCHED_TOKENS = 16384         # vLLM 0.32's max_num_batched_tokens on >= 70 GB GPUs (arg_utils get_batch_defaults)
-DRAFT_CHUNK_BYTES_PER_LOGIT = 16    # a draft-loss chunk: fp32 student logits, log-softmax, teacher probs, grad
-# what torch's allocator holds beyond the terms below at a training step's peak: cuBLAS / cuBLASLt workspaces
-# (torch allocates them through its caching allocator) and rounding; 67 MiB in every measured H200 row
-WORKSPACES = 80 * MIB
-# torch's foreach Adam / AdamW step: `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)` (torch/optim/adam.py
-# _multi_tensor_adam), an fp32 tensor per parameter of the group, all alive at once; the fused kernels allocate none
-FOREACH_ADAM_TEMP_BYTES = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -70,27 +90,42 @@ class PolicyMemory:
     optimizer_step: int = 0         # the optimizer step's temporaries (foreach AdamW), the larger side's
     workspaces: int = WORKSPACES
     overhead: int = POLICY_OVERHEAD
+    # a drafter trained beside the model (EAGLE-3): its fp32 weights, grads and AdamW moments, whole on every rank;
+    # of them the weights (there from the start); its draft loss by part (they sum to draft_loss)
+    drafter: int = 0
+    drafter_weights: int = 0
+    draft_parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def resident(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.overhead
+        return self.weights + self.grads + self.optimizer + self.drafter + self.overhead
 
     @property
     def offloaded(self) -> int:
-        """What stays on the GPU with grads and optimizer state in host memory."""
-        return self.weights + self.overhead
+        """What stays on the GPU with grads and optimizer state in host memory (a drafter's stay: its optimizer side
+        moves nothing)."""
+        return self.weights + self.drafter + self.overhead
+
+    @property
+    def at_engine_start(self) -> int:
+        """What the policy holds when colocated engines start with its grads and optimizer state in host memory:
+        weights (the drafter's fp32 ones too) and overhead; without offload its grad buffer and fp32 master copy come
+        on top. Adam's moments and the drafter's grads come with the first step."""
+        return self.weights + self.drafter_weights + self.overhead
 
     @property
     def step_phases(self) -> dict[str, dict[str, int]]:
         """Each phase of a training step: its parts beyond the resident state. Forward and backward: a micro-batch's
         saved activations, one attention layer's backward and the logits' working set (the latter two do not
         coincide in time: their sum is the plan's margin); the draft loss, after the policy's backward: the logits it
-        keeps as teacher and the head's replay; the optimizer step: its temporaries."""
+        keeps as teacher and the head's replay (an external drafter's: its parts); the optimizer step: its
+        temporaries."""
         common = {"attention buffer": self.attention_buffer, "workspaces": self.workspaces}
         out = {"forward and backward": {"activations": self.activations, "attention backward": self.attention_backward,
                                         "logits": self.logits, **common}}
         if self.draft_loss:
-            out["draft loss"] = {"logits": self.logits, "draft loss": self.draft_loss, **common}
+            parts = dict(self.draft_parts) or {"draft loss": self.draft_loss}
+            out["draft loss"] = {"logits": self.logits, **parts, **common}
         out["optimizer step"] = {"optimizer temporaries": self.optimizer_step, **common}
         return out
 
@@ -159,93 +194,6 @@ class MemoryPlan:
         return describe(self)
 
 
-# ---------------------------------------------------------------------------------------------- the pieces
-
-def train_sequence_length(cfg: Any) -> int:
-    """Tokens per training row: prompt + response of one turn, or the engines' context for multi-turn rollouts."""
-    g = cfg.generator
-    if int(g.max_turns) > 1:
-        return int(g.max_model_len)
-    return min(int(g.max_model_len), int(cfg.data.max_prompt_length) + int(g.sampling.max_tokens))
-
-
-def layer_activation_elements(shape: Any, *, linear: bool, tp: int, flash: bool) -> int:
-    """Elements per token a transformer layer saves for backward (no sequence parallelism, no dropout): both norms'
-    inputs and outputs (4h, whole on every TP rank), the SwiGLU MLP without Megatron's fusion (megatron/core/
-    transformer/mlp.py ``glu``: linear_fc1's output [gate, up] 2f, silu(gate) f kept by the product, the product f
-    kept by linear_fc2: 4f/TP), and the mixer: attention keeps q, k, v and its output ((2a + 2g)d/TP with a fused
-    kernel; the local DotProductAttention repeats k and v to every head: 4ad/TP), a gated attention also the gate and
-    its sigmoid (2ad/TP); a Gated DeltaNet layer its projections, conv output and gates (estimate: 3 x qkv + 3 x value
-    + 2 x heads, / TP)."""
-    h, a, g, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
-    out = 4 * h + 4 * f // tp
-    if linear:
-        return out + (3 * shape.linear_qkv + 3 * shape.linear_value + 2 * shape.linear_heads) // tp
-    out += ((2 * a + 2 * g) * d if flash else 4 * a * d) // tp
-    if shape.attention_gate:
-        out += 2 * a * d // tp
-    return out
-
-
-def attention_score_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool) -> int:
-    """The local spec's softmax per attention layer (fusions/fused_softmax.py ``forward_torch_softmax``: the scores
-    converted to fp32, softmax, then back to the input dtype): [rows, heads / TP, S, S] fp32 probabilities kept by
-    the softmax and their bf16 copy kept by the bmm with v; none with SDPA's or Transformer Engine's kernels."""
-    return 0 if flash else rows * (shape.heads // tp) * seq * seq * (4 + 2)
-
-
-def attention_buffer_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool, act_bytes: int) -> int:
-    """The local DotProductAttention's raw scores: ``parallel_state.get_global_memory_buffer().get_tensor((b * np, sq,
-    sk), query.dtype, "mpu")`` (transformer/dot_product_attention.py; core/utils.py GlobalMemoryBuffer keeps it for
-    the process's life, hand_over_to_engines frees it): [rows x heads / TP, S, S] in the model dtype, once."""
-    if flash or not shape.attention_layers:
-        return 0
-    return rows * (shape.heads // tp) * seq * seq * act_bytes
-
-
-def attention_backward_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool) -> int:
-    """One local attention layer's backward beyond the 6 B per score it saved: the softmax's backward holds its fp32
-    output, the fp32 gradient coming in (the backward of the probabilities' cast to the model dtype) and the fp32
-    gradient it returns (``_softmax_backward_data``) at once: 12 B per score, 6 more; none with SDPA's or Transformer
-    Engine's kernels (they recompute the scores in tiles)."""
-    if flash or not shape.attention_layers:
-        return 0
-    return rows * (shape.heads // tp) * seq * seq * 6
-
-
-def activation_bytes(shape: Any, *, rows: int, seq: int, tp: int, flash: bool, recompute: bool, act_bytes: int) -> int:
-    """Saved activations of one micro-batch at their peak: every trunk layer's, or with full recompute
-    (transformer_block.py ``_checkpointed_forward``, one layer per checkpoint) every layer's input plus one layer's,
-    re-run in backward. The policy's forward runs no MTP layer (mtp/native_loss_patch.py); the draft replay runs
-    after its backward (draft_loss_bytes)."""
-    tokens = rows * seq
-    linear = shape.layers - shape.attention_layers
-    per = {kind: layer_activation_elements(shape, linear=kind, tp=tp, flash=flash) * tokens * act_bytes
-           for kind in (False, True)}
-    scores = attention_score_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash)
-    inputs = tokens * shape.hidden * act_bytes
-    if recompute:
-        one = max(per[False] + scores, per[True] if linear else 0)
-        return shape.layers * inputs + one
-    return shape.attention_layers * (per[False] + scores) + linear * per[True]
-
-
-def logits_bytes(shape: Any, *, tokens: int, tp: int, act_bytes: int) -> int:
-    """[tokens, vocab / TP] logits in the model dtype (kept: the draft loss's teacher), the fp32 copy the policy's
-    vocab-parallel cross-entropy works in and keeps for backward, and the logits' grad in backward."""
-    return tokens * (shape.vocab // tp) * (act_bytes + 4 + act_bytes)
-
-
-def draft_loss_bytes(shape: Any, *, draft_tokens: int, chunk: int, tp: int, act_bytes: int, depths: int,
-                     rows: int, seq: int, flash: bool) -> int:
-    """The draft loss after the policy's backward: the teacher rows it gathers ([draft tokens, vocab / TP]), one chunk
-    of the head's logits and their softmax / grad (fp32), and the MTP layer replayed at each trained depth."""
-    v = shape.vocab // tp
-    replay = depths * (layer_activation_elements(shape, linear=False, tp=tp, flash=flash) * rows * seq * act_bytes
-                       + attention_score_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash))
-    return draft_tokens * v * act_bytes + min(chunk, draft_tokens) * v * DRAFT_CHUNK_BYTES_PER_LOGIT + replay
-
-
 def pipeline_stages(shape: Any, pp: int) -> list[tuple[Any, bool, int, int]]:
     """(the stage's share of the model as a ModelShape, it holds the MTP layers, micro-batches its 1F1B schedule
     keeps in flight, parameters it holds without training them) for the stages that bound the peak: the first
@@ -274,7 +222,8 @@ def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: i
     m = cfg.megatron
     tp, dp, rows, pbytes = int(m.tp), int(m.dp), int(m.micro_batch_size), DTYPE_BYTES[str(m.dtype)]
     ep = int(m.ep)
-    head = head and bool(cfg.trainer.mtp.enabled) and shape.mtp_layers > 0
+    external = external_drafter_kind(cfg) is not None   # it takes the MTP layers' place (trainer/run_plan.py)
+    head = head and bool(cfg.trainer.mtp.enabled) and shape.mtp_layers > 0 and not external
     trunk = shape.params_sharded // tp + shape.params_replicated
     mtp = (shape.mtp_params_sharded // tp + shape.mtp_params_replicated) if head else 0
     # routed experts: ep ranks share them out, and their optimizer state is sharded over the expert data-parallel
@@ -289,11 +238,16 @@ def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: i
     with_rc = in_flight * activation_bytes(shape, recompute=True, **kw)
     without = in_flight * activation_bytes(shape, recompute=False, **kw)
     draft_tokens = rows * min(seq, int(cfg.generator.sampling.max_tokens))
-    draft = 0
+    chunk = chunk_tokens(m.mtp_loss_chunk_size, shape.vocab // tp) or draft_tokens
+    draft, parts, drafter = 0, {}, 0
     if head:
-        chunk = chunk_tokens(m.mtp_loss_chunk_size, shape.vocab // tp) or draft_tokens
         draft = draft_loss_bytes(shape, draft_tokens=draft_tokens, chunk=chunk, tp=tp, act_bytes=pbytes, depths=depths,
                                  rows=rows, seq=seq, flash=flash)
+    elif external and in_flight == 1:   # beside the model, on the (only) stage, the one with the logits
+        drafter = eagle3_param_count(shape)
+        parts = eagle3_draft_loss_parts(shape, rows=rows, seq=seq, depths=train_depths(cfg), draft_tokens=draft_tokens,
+                                        chunk=chunk, tp=tp, act_bytes=pbytes)
+        draft = sum(parts.values())
     # the output layer's logits live on the stage that holds it (the last, or the only one)
     logits = logits_bytes(shape, tokens=rows * seq, tp=tp, act_bytes=pbytes) if in_flight == 1 else 0
     # each side steps its own optimizer over its own shard (the policy's trunk and experts, the head's)
@@ -308,7 +262,9 @@ def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: i
                         attention_buffer=attention_buffer_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash,
                                                                 act_bytes=pbytes),
                         attention_backward=attention_backward_bytes(shape, rows=rows, seq=seq, tp=tp, flash=flash),
-                        optimizer_step=0 if fused_adam else FOREACH_ADAM_TEMP_BYTES * max(shards))
+                        optimizer_step=0 if fused_adam else FOREACH_ADAM_TEMP_BYTES * max(shards),
+                        drafter=drafter * DRAFTER_STATE_BYTES, drafter_weights=drafter * DRAFTER_WEIGHT_BYTES,
+                        draft_parts=tuple(parts.items()))
 
 
 def policy_memory(shape: Any, cfg: Any, *, flash: bool, fused_adam: bool = True) -> PolicyMemory:
@@ -319,14 +275,6 @@ def policy_memory(shape: Any, cfg: Any, *, flash: bool, fused_adam: bool = True)
     stages = [_stage_memory(s, cfg, flash=flash, head=head, in_flight=n, frozen=frozen, fused_adam=fused_adam)
               for s, head, n, frozen in pipeline_stages(shape, int(cfg.megatron.pp))]
     return max(stages, key=lambda p: (p.resident + p.step, p.resident))
-
-
-def kv_bytes_per_token(shape: Any, *, tp: int, kv_bytes: int, drafter: bool) -> int:
-    """K and V of every attention layer (the drafter's MTP layers too) for one token, on one GPU of an engine."""
-    layers = shape.attention_layers + (shape.mtp_layers if drafter else 0)
-    if shape.kv_cache_width:
-        return layers * shape.kv_cache_width * kv_bytes
-    return 2 * layers * max(shape.kv_heads // tp, 1) * shape.head_dim * kv_bytes
 
 
 def engine_memory(shape: Any, cfg: Any) -> EngineMemory:
@@ -341,29 +289,27 @@ def engine_memory(shape: Any, cfg: Any) -> EngineMemory:
                         params_sharded=(shape.params_sharded - 2 * embed) // pp + embed,
                         params_replicated=shape.params_replicated // pp, expert_params=shape.expert_params // pp,
                         linear_state=shape.linear_state // pp)
-    drafter = k > 0 and shape.mtp_layers > 0
     kv = int(g.kv_cache_memory_mb) * MIB
     seqs = int(g.max_num_seqs)
-    # hybrid models: every running sequence's GDN state, in the KV pool (vLLM's mamba_cache_dtype "auto": the model's)
-    linear_state = seqs * shape.linear_state // tp * ebytes
-    per_token = kv_bytes_per_token(shape, tp=tp, kv_bytes=ebytes, drafter=drafter)
     batched = int(dict(g.engine_kwargs).get("max_num_batched_tokens", VLLM_BATCHED_TOKENS))
     # a step of `batched` tokens through one layer at a time, and the sampler's fp32 logits (and probabilities) of
     # every running sequence's k + 1 verified positions over the whole vocabulary
     act = batched * (4 * shape.hidden + 3 * shape.intermediate // tp) * ebytes + seqs * (k + 1) * shape.vocab * 4 * 2
+    drafter, drafter_layers = 0, 0
+    if k > 0 and external_drafter_kind(cfg) is not None:   # EAGLE-3: one layer, and the target's aux states
+        drafter, drafter_layers = eagle3_engine_weight_bytes(shape, tp=tp, engine_bytes=ebytes), 1
+        act += eagle3_engine_activation_bytes(shape, batched=batched, engine_bytes=ebytes)
+    elif k > 0 and shape.mtp_layers > 0:
+        drafter = ((shape.mtp_params_sharded + shape.mtp_expert_params) // tp + shape.mtp_params_replicated) * ebytes
+        drafter_layers = shape.mtp_layers
+    # hybrid models: every running sequence's GDN state, in the KV pool (vLLM's mamba_cache_dtype "auto": the model's)
+    linear_state = seqs * shape.linear_state // tp * ebytes
+    per_token = kv_bytes_per_token(shape, tp=tp, kv_bytes=ebytes, drafter_layers=drafter_layers)
     # vLLM's tensor parallelism shards the routed experts too
     return EngineMemory(weights=((shape.params_sharded + shape.expert_params) // tp + shape.params_replicated) * ebytes,
-                        drafter=((shape.mtp_params_sharded + shape.mtp_expert_params) // tp
-                                 + shape.mtp_params_replicated) * ebytes if drafter else 0,
+                        drafter=drafter,
                         kv_cache=kv, activations=act, cuda_graphs=0 if bool(g.enforce_eager) else CUDA_GRAPHS,
                         kv_tokens=max(kv - linear_state, 0) // per_token)
-
-
-def ipc_buffer_bytes(shape: Any, hf_cfg: dict, engine_dtype: str) -> int:
-    """The IPC packing buffer (weight_transfer/transport.py ipc_buffer_bytes, here from the config's sizes)."""
-    ckpt = DTYPE_BYTES.get(str(hf_cfg.get("torch_dtype", engine_dtype)), 4)
-    need = -(-shape.largest_tensor * max(ckpt, DTYPE_BYTES[engine_dtype]) // MIB) * MIB
-    return max(GIB, need)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -410,8 +356,7 @@ def memory_plan(cfg: Any, hf_cfg: dict, *, suggest: bool = True) -> MemoryPlan:
                   "training (engines asleep)": train + eng.asleep}
         # the policy is built first and, with offload, hands its grads and optimizer state over before the engines
         # start (trainer/launch.py); Adam's moments do not exist before the first step
-        at_start = (pol.offloaded if offload else pol.weights + pol.grads + pol.master_weights + pol.overhead) \
-            + eng.overhead
+        at_start = pol.at_engine_start + (0 if offload else pol.grads + pol.master_weights) + eng.overhead
     else:
         offload = False
         phases = {"engine GPUs": eng.awake, "policy GPUs (training)": train}
@@ -440,8 +385,11 @@ def describe(plan: MemoryPlan) -> str:
              f"DP) {fmt_bytes(p.optimizer)}",
              f"    activations per micro-batch ({rows} x {seq} tokens): {fmt_bytes(p.activations)} "
              f"(without recompute {fmt_bytes(p.activations_no_recompute)}, with {fmt_bytes(p.activations_recompute)})",
-             f"    logits {fmt_bytes(p.logits)}, draft loss (teacher rows, chunk, replay) {fmt_bytes(p.draft_loss)}, "
+             f"    logits {fmt_bytes(p.logits)}, draft loss ({'below' if p.draft_parts else 'teacher rows, chunk, replay'}) "
+             f"{fmt_bytes(p.draft_loss)}, "
              f"overhead {fmt_bytes(p.overhead)}",
+             *([f"    drafter beside the model (fp32 weights, grads, AdamW; whole on every rank) {fmt_bytes(p.drafter)}; "
+                "its draft loss: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in p.draft_parts)] if p.drafter else []),
              f"    attention score buffer {fmt_bytes(p.attention_buffer)}, one attention layer's backward "
              f"{fmt_bytes(p.attention_backward)}, optimizer-step temporaries {fmt_bytes(p.optimizer_step)}, "
              f"workspaces {fmt_bytes(p.workspaces)}",

@@ -32,10 +32,10 @@ TOKENIZER_RULE = ("a checkpoint with tokenizer files (one of " + ", ".join(TOKEN
                   "encoded with it")
 FAMILY_RULE = "a checkpoint whose config.json architectures a model family reads (the supported ones are listed)"
 MTP_RULE = ("a checkpoint with MTP layers when trainer.mtp.enabled=true and trainer.drafter.kind=mtp (the engines "
-            "draft and the policy trains with them); trainer.drafter.kind=eagle3 or trainer.mtp.enabled=false for a "
+            "draft and the policy trains with them); trainer.drafter.kind=eagle3 / dflash or trainer.mtp.enabled=false for a "
             "model without")
 DRAFTER_KIND_RULE = ("mtp needs a model with MTP layers (families without them: llama, qwen3; or "
-                     "model.tiny.mtp_layers=0), eagle3 a llama or qwen3 target")
+                     "model.tiny.mtp_layers=0), eagle3 and dflash a llama or qwen3 target")
 WEIGHTS_RULE = "a checkpoint with *.safetensors weights"
 
 

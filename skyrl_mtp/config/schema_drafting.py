@@ -68,12 +68,24 @@ class DrafterConfig:
     """The drafter the engines speculate with and the policy workers train (docs/drafters.md); trainer.mtp's settings
     (speculation on or off, k, the draft loss) apply to every kind."""
 
-    # mtp: the model's own MTP layers; eagle3: an EAGLE-3 drafter trained beside the policy, for targets without MTP
-    # layers (llama, qwen3), with trainer.mtp.train_depths as its test-time-training unroll
+    # mtp: the model's own MTP layers; eagle3: an EAGLE-3 drafter, dflash: a DFlash (block) drafter, trained beside
+    # the policy, for targets without MTP layers (llama, qwen3); for eagle3, trainer.mtp.train_depths is its
+    # test-time-training unroll
     kind: str = "mtp"
-    # eagle3: an exported drafter to start from (config.json + model.safetensors, e.g. a checkpoint's draft_head/);
-    # null: a fresh one initialised from trainer.seed
+    # eagle3 / dflash: an exported drafter of that kind to start from (config.json + model.safetensors, e.g. a
+    # checkpoint's draft_head/); null: a fresh one initialised from trainer.seed
     init: str | None = None
-    # eagle3: the three target layers it reads, in vLLM's numbering (0 = the embedding, L = after decoder layer L-1);
-    # null: vLLM's default (2, n//2, n-3), or the nearest three distinct ids on a model of fewer than 6 layers
+    # eagle3 / dflash: the target layers it reads, in vLLM's numbering (0 = the embedding, L = after decoder layer
+    # L-1), increasing; eagle3 reads three (null: vLLM's default (2, n//2, n-3), or the nearest three distinct ids on a
+    # model of fewer than 6 layers), dflash one per drafter layer by default (null: the published drafters' choice)
     layer_ids: list[int] | None = None
+    # dflash: the drafter's decoder layers
+    num_layers: int = 1
+    # dflash: the anchor (the token just sampled) plus block_size - 1 mask slots drafted in one pass; null =
+    # trainer.mtp.num_speculative_tokens + 1 (the block vLLM drafts each engine step)
+    block_size: int | None = None
+    # dflash: blocks trained per sequence and step, spread evenly over its response (each costs block_size queries)
+    anchors: int = 32
+    # dflash: the token whose (target) embedding marks a slot to fill; null = the vocabulary's last row (an unused
+    # padding row in the checkpoints served here: the run checks that the tokenizer does not use it)
+    mask_token_id: int | None = None

@@ -36,10 +36,10 @@ def is_eagle3_tensor(name: str) -> bool:
     return name in ("fc.weight", "norm.weight") or name.startswith("midlayer.")
 
 
-def check_eagle3_export(path: str | Path, target_hf_config: dict) -> None:
+def check_eagle3_export(path: str | Path, target_hf_config: dict, key: str = "EngineConfig.draft_model_path") -> None:
     """Raise ValueError naming what does not fit when ``path`` is no EAGLE-3 export vLLM can serve beside the
     target of ``target_hf_config``."""
-    where = f"EngineConfig.eagle3_drafter_path={str(path)!r}"
+    where = f"{key}={str(path)!r}"
     archs = target_hf_config.get("architectures") or []
     if not set(archs) & set(EAGLE3_TARGETS):
         raise ValueError(f"{where} is invalid: the target's architectures {archs} emit no EAGLE-3 hidden states in "
@@ -147,25 +147,3 @@ def initial_eagle3(target_hf_config: dict, aux_layer_ids: tuple[int, ...] | None
         raise ValueError(f"the EAGLE-3 drafter at {str(init_path)!r} does not fit the target: (its value, the "
                          f"target's) = {diff}")
     return drafter.float(), want
-
-
-def write_initial_eagle3(target_dir: str | Path, aux_layer_ids: tuple[int, ...] | None, seed: int,
-                         out_dir: str | Path) -> Path:
-    """Export the fresh drafter ``initial_eagle3`` builds from ``seed`` for the target at ``target_dir`` into
-    ``out_dir`` (written aside, then renamed into place; an existing export is kept: it is the same drafter)."""
-    out = Path(out_dir)
-    if (out / WEIGHTS).is_file():
-        return out
-    import shutil
-    import tempfile
-
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    drafter, cfg = initial_eagle3(target, aux_layer_ids, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        export_eagle3(drafter, cfg, tmp)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out

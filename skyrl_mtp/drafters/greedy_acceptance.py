@@ -8,12 +8,16 @@ a leading ones that equal the target's greedy tokens plus one token of its own (
 of k tokens and a hit at positions 1..a, and proposes again from the new last index. A request stops once it
 has its max_tokens; its last step's drafts are counted in full even when they reach past max_tokens (vLLM
 trims the output, not the counters), so the sequences must hold k tokens beyond max_tokens.
+The walk is the same for DFlash (one parallel proposal of k drafts per step); only the drafts differ
+(``dflash_greedy_drafts``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from skyrl_mtp.drafters.dflash import DFlashDrafter, block_hidden
 from skyrl_mtp.drafters.eagle3 import Eagle3Drafter, unroll
 
 
@@ -51,3 +55,20 @@ def simulate_greedy_spec_decode(accepted: torch.Tensor, prompt_len: int, max_tok
             generated += a + 1
             index += a + 1
     return drafts, per_pos
+
+
+@torch.no_grad()
+def dflash_greedy_drafts(drafter: DFlashDrafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
+                         embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T, k]: the k tokens vLLM's DFlash proposer drafts from each index t of ``input_ids`` (context = the
+    target's states at 0..t, anchor ids[t+1], one block of k masks; draft i of the token at t + 2 + i, so
+    ``accepted_lengths`` and ``simulate_greedy_spec_decode`` apply as for EAGLE-3). aux_hidden [B, T, n_ids * H]:
+    the target's hidden states at the drafter's target_layer_ids. The last index has no anchor: its row is -1."""
+    b, t = input_ids.shape
+    drafts = input_ids.new_full((b, t, k), -1)
+    if t < 2:
+        return drafts
+    anchors = torch.arange(1, t, device=input_ids.device).expand(b, t - 1)
+    hidden = block_hidden(drafter, aux_hidden, input_ids, embed_weight, anchors, block_size=k + 1)
+    drafts[:, :t - 1] = F.linear(hidden[:, :, 1:], lm_head_weight).argmax(-1)
+    return drafts

@@ -47,6 +47,10 @@ class PolicyWorkerConfig:
     drafter_kind: str = "mtp"
     drafter_init: str | None = None   # an exported drafter to start from; None: initialised from `seed`
     drafter_layer_ids: tuple[int, ...] | None = None   # the target layers it reads (vLLM's ids); None: the default
+    drafter_num_layers: int = 1        # dflash: the drafter's layers
+    drafter_block_size: int = 8        # dflash: the anchor plus block_size - 1 mask slots
+    drafter_anchors: int = 32          # dflash: blocks trained per sequence
+    drafter_mask_token_id: int | None = None   # dflash: the mask slots' token; None: the vocabulary's last row
     mtp_num_depths: int = 1  # draft depths trained (run key trainer.mtp.train_depths); depth d > num layers reuses the last layer
     mtp_loss_type: str = "soft_ce"
     mtp_loss_weight: float = 1.0
@@ -122,6 +126,13 @@ class PolicyWorkerConfig:
                        "must be None with drafter_kind='mtp' (the MTP head is the checkpoint's own)")
         if self.drafter_layer_ids is not None:
             self.drafter_layer_ids = tuple(self.drafter_layer_ids)
+        for name, low in (("drafter_num_layers", 1), ("drafter_block_size", 2), ("drafter_anchors", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise _bad(name, v, f"must be an integer >= {low}")
+        if self.drafter_kind != "dflash" and self.drafter_num_layers != 1:
+            raise _bad("drafter_num_layers", self.drafter_num_layers, f"must be 1 with drafter_kind="
+                       f"{self.drafter_kind!r} (one drafter layer)")
         if self.mtp_loss_type not in DRAFT_LOSS_TYPES:
             raise _bad("mtp_loss_type", self.mtp_loss_type, f"allowed: {DRAFT_LOSS_TYPES}")
         if not isinstance(self.mtp_loss_topk, int) or self.mtp_loss_topk < 1:

@@ -288,7 +288,8 @@ class MegatronPolicy(PipelinedSteps):
             spec = DraftLossSpec(self.cfg.mtp_loss_type, depths, self.cfg.mtp_loss_topk,
                                  self.cfg.mtp_loss_chunk_size, self.cfg.mtp_loss_position_fraction,
                                  self.cfg.mtp_loss_depth_decay, self.cfg.draft_runner)
-            n_draft = draft_normaliser(batch["loss_mask"], batch.get("segment_ids"), batch["input_ids"], spec)
+            count = self.drafter.normaliser if self.drafter is not None else draft_normaliser
+            n_draft = count(batch["loss_mask"], batch.get("segment_ids"), batch["input_ids"], spec)
             n_draft = max(self._global_sum(n_draft), 1.0)
             self.head_side.zero_grad()
         self.policy_side.zero_grad()

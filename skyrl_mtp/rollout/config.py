@@ -66,8 +66,9 @@ class EngineConfig:
 
     num_speculative_tokens: 0 = no speculative decoding; k >= 1 = MTP drafting of k tokens
     ({"method": "mtp", "num_speculative_tokens": k}); the checkpoint must have MTP layers.
-    eagle3_drafter_path: an EAGLE-3 drafter exported for the checkpoint (skyrl_mtp/drafters/eagle3_export.py)
-    drafts instead ({"method": "eagle3", "model": path}); its tensors are the weight sync's "draft" part.
+    draft_model_path: an external drafter exported for the checkpoint drafts instead, with vLLM's speculative method
+    ``draft_method`` ("eagle3": drafters/eagle3_export.py, "dflash": drafters/dflash_export.py; {"method": ...,
+    "model": path}); its tensors are the weight sync's "draft" part.
     draft_invariant_sampling: on CPU, sample a request's t-th token with noise keyed to t whatever was
     drafted (skyrl_mtp.vllm_patches.draft_invariant_sampling): seeded spec rollouts equal non-spec ones.
     engine_kwargs: extra `vllm` engine arguments, merged into the managed ones (no overrides).
@@ -112,7 +113,8 @@ class EngineConfig:
     # vLLM weight-transfer backend of the engines' workers, picked by weight_sync/transport.py
     # (skyrl_cpu on CPU, nccl for engines on GPUs of their own, ipc for engines colocated with the policy)
     weight_transfer_backend: str = "skyrl_cpu"
-    eagle3_drafter_path: str | None = None
+    draft_model_path: str | None = None
+    draft_method: str = "eagle3"   # read only with draft_model_path (drafters/kinds.py METHODS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, Path)) or not str(self.model_path):
@@ -125,15 +127,20 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise _bad(name, value, f"an int >= {low}")
         k = self.num_speculative_tokens
-        if self.eagle3_drafter_path is not None:
-            self.eagle3_drafter_path = str(self.eagle3_drafter_path)
-            if not (Path(self.eagle3_drafter_path) / "config.json").is_file():
-                raise _bad("eagle3_drafter_path", self.eagle3_drafter_path,
-                           "None or a directory holding an EAGLE-3 drafter's config.json and weights")
+        if self.draft_model_path is not None:
+            from skyrl_mtp.drafters.kinds import METHODS
+
+            self.draft_model_path = str(self.draft_model_path)
+            if self.draft_method not in METHODS:
+                raise _bad("draft_method", self.draft_method, f"allowed: {list(METHODS)}")
+            if not (Path(self.draft_model_path) / "config.json").is_file():
+                raise _bad("draft_model_path", self.draft_model_path,
+                           f"None or a directory holding an exported {self.draft_method} drafter's config.json and "
+                           "weights")
             if k < 1 or self.adaptive_speculation or self.pipeline_parallel_size > 1:
-                raise _bad("eagle3_drafter_path", self.eagle3_drafter_path,
+                raise _bad("draft_model_path", self.draft_model_path,
                            "None unless num_speculative_tokens >= 1 (a fixed k), without adaptive speculation and "
-                           "pipeline parallelism (not built for EAGLE-3 drafters)")
+                           "pipeline parallelism (not built for external drafters)")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise _bad("num_speculative_tokens", k,
                        "0 (no speculative decoding) or an int k >= 1 (MTP drafting of k tokens)")
@@ -203,8 +210,8 @@ class EngineConfig:
         if self.num_speculative_tokens == 0:
             return None
         spec = {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
-        if self.eagle3_drafter_path is not None:
-            spec = {"method": "eagle3", "model": self.eagle3_drafter_path,
+        if self.draft_model_path is not None:
+            spec = {"method": self.draft_method, "model": self.draft_model_path,
                     "num_speculative_tokens": self.num_speculative_tokens}
         if self.draft_sample_method != "greedy":
             spec["draft_sample_method"] = self.draft_sample_method
@@ -311,10 +318,10 @@ def read_hf_config(model_path: str | Path) -> dict[str, Any]:
 def check_checkpoint(cfg: EngineConfig) -> dict[str, Any]:
     """Check that the checkpoint can serve `cfg`; returns its config.json. Reads files only."""
     hf_config = read_hf_config(cfg.model_path)
-    if cfg.eagle3_drafter_path is not None:
-        from skyrl_mtp.drafters.eagle3_export import check_eagle3_export
+    if cfg.draft_model_path is not None:
+        from skyrl_mtp.drafters.kinds import drafter_kind
 
-        check_eagle3_export(cfg.eagle3_drafter_path, hf_config)
+        drafter_kind(cfg.draft_method).check_export(cfg.draft_model_path, hf_config, "EngineConfig.draft_model_path")
     elif cfg.num_speculative_tokens > 0:
         from skyrl_mtp.models.families import checkpoint_mtp_layers
 

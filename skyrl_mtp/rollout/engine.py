@@ -33,12 +33,12 @@ INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
 def engine_weight_schema(cfg: EngineConfig) -> WeightSchema:
-    """The tensors a sync updates: the checkpoint's, and an EAGLE-3 drafter's (names disjoint from the target's)."""
+    """The tensors a sync updates: the checkpoint's, and an external drafter's (names disjoint from the target's)."""
     schema = read_weight_schema(cfg.model_path)
-    if cfg.eagle3_drafter_path is not None:
-        drafter = read_weight_schema(cfg.eagle3_drafter_path)
+    if cfg.draft_model_path is not None:
+        drafter = read_weight_schema(cfg.draft_model_path)
         if clash := sorted(set(drafter) & set(schema)):
-            raise ValueError(f"EngineConfig.eagle3_drafter_path={cfg.eagle3_drafter_path!r} is invalid: its tensors "
+            raise ValueError(f"EngineConfig.draft_model_path={cfg.draft_model_path!r} is invalid: its tensors "
                              f"{clash[:3]} have the target's names")
         schema = {**schema, **drafter}
     return schema
@@ -50,7 +50,8 @@ def engine_process_settings(cfg: EngineConfig, model_family: str | None = None) 
     v1 = cfg.model_runner == "v1"
     return EngineProcessSettings(cpu_sampling_fix=cfg.cpu_sampling_fix and v1,
                                  draft_invariant_sampling=cfg.draft_invariant_sampling and v1,
-                                 pipeline_parallel_patch=cfg.patches_pipeline_parallel, model_family=model_family)
+                                 pipeline_parallel_patch=cfg.patches_pipeline_parallel, model_family=model_family,
+                                 dflash_patches=cfg.draft_model_path is not None and cfg.draft_method == "dflash")
 
 
 def engine_environment(cfg: EngineConfig) -> dict[str, str]:

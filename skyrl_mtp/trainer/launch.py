@@ -242,7 +242,8 @@ def _run(plan: RunPlan) -> int:
         if plan.memory is not None:   # checked at validation; printed here with the checkpoint the run serves
             log(plan.memory.describe())
         placement_group = reserve(placement)
-        engines, policy = _start_workers(plan, model_path, placement_group, _initial_drafter(plan, model_path, run_dir))
+        drafter_path = _initial_drafter(plan, model_path, run_dir, tokenizer)
+        engines, policy = _start_workers(plan, model_path, placement_group, drafter_path)
         env = build_environment(plan, engines, tokenizer, data)
         from skyrl_mtp.trainer.trainer import RLTrainer
         from skyrl_mtp.weight_sync.policy_link import PolicyEngineLink
@@ -304,17 +305,24 @@ def _warm_start(plan: RunPlan, base_model: Path, data: dict[str, Path], tokenize
                       tokenizer.pad_token_id, start_worker, log=log)
 
 
-def _initial_drafter(plan: RunPlan, model_path: Path, run_dir: Any) -> str | None:
-    """An EAGLE-3 run's drafter as the engines start with it, the one the policy workers start from: the user's
+def _initial_drafter(plan: RunPlan, model_path: Path, run_dir: Any, tokenizer: Any) -> str | None:
+    """An external drafter's export as the engines start with it, the one the policy workers start from: the user's
     trainer.drafter.init, or the fresh drafter of trainer.seed exported into the run directory."""
     w = plan.policy_worker
-    if w.drafter_kind != "eagle3":
+    if w.drafter_kind == "mtp":
         return None
+    if w.drafter_kind == "dflash":
+        vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
+        mask = vocab - 1 if w.drafter_mask_token_id is None else w.drafter_mask_token_id
+        used = mask < len(tokenizer)
+        log(f"DFlash mask slots embed token {mask}" + (
+            f" ({tokenizer.convert_ids_to_tokens(mask)!r}, a token of the tokenizer: the vocabulary has no unused row; "
+            "set trainer.drafter.mask_token_id to a reserved one)" if used else " (an unused row of the vocabulary)"))
     if w.drafter_init is not None:
         return w.drafter_init
-    from skyrl_mtp.drafters.eagle3_export import write_initial_eagle3
+    from skyrl_mtp.policy.drafter_training import write_initial_export
 
-    return str(write_initial_eagle3(model_path, w.drafter_layer_ids, w.seed, run_dir.root / "drafter_init"))
+    return str(write_initial_export(w, model_path, run_dir.root / "drafter_init"))
 
 
 def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any, drafter_path: str | None = None):
@@ -326,7 +334,7 @@ def _start_workers(plan: RunPlan, model_path: Path, placement_group: Any, drafte
     from skyrl_mtp.trainer.policy_group import PolicyGroup
 
     placement, wcfg = plan.placement, plan.policy_worker
-    ecfg = plan.engine_for(model_path, eagle3_drafter_path=drafter_path)
+    ecfg = plan.engine_for(model_path, draft_model_path=drafter_path, draft_method=wcfg.drafter_kind)
     engine_options = [actor_options(placement_group, a) for a in placement.engines]
 
     def start_policy() -> PolicyGroup:

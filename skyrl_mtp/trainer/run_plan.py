@@ -49,6 +49,7 @@ def policy_worker_config(cfg: DictConfig, memory: MemoryPlan | None = None):
         mtp_enabled=enabled, drafter_kind=external or "mtp",
         drafter_init=cfg.trainer.drafter.init if external else None,
         drafter_layer_ids=tuple(cfg.trainer.drafter.layer_ids) if external and cfg.trainer.drafter.layer_ids else None,
+        **_dflash_fields(cfg, external),
         mtp_num_layers=(m.mtp_num_layers if enabled else 0), mtp_num_depths=train_depths(cfg),
         mtp_loss_type=str(mtp.loss_type), mtp_loss_weight=float(mtp.loss_weight) if mtp.enabled else 0.0,
         mtp_loss_topk=int(m.mtp_loss_topk), mtp_loss_chunk_size=m.mtp_loss_chunk_size,
@@ -71,6 +72,16 @@ def external_drafter(cfg: DictConfig) -> str | None:
     speculate; None: the model's own MTP layers, or no speculation."""
     kind = str(cfg.trainer.drafter.kind)
     return kind if kind != "mtp" and bool(cfg.trainer.mtp.enabled) else None
+
+
+def _dflash_fields(cfg: DictConfig, external: str | None) -> dict[str, Any]:
+    """A DFlash drafter's settings: its layers, block (null: k + 1, one block per engine step), anchors, mask token."""
+    if external != "dflash":
+        return {}
+    d = cfg.trainer.drafter
+    return {"drafter_num_layers": int(d.num_layers),
+            "drafter_block_size": int(d.block_size) if d.block_size is not None else max_speculative_tokens(cfg) + 1,
+            "drafter_anchors": int(d.anchors), "drafter_mask_token_id": d.mask_token_id}
 
 
 def _gpu_policy_fields(cfg: DictConfig, memory: MemoryPlan | None) -> dict[str, Any]:
@@ -368,12 +379,13 @@ class RunPlan:
     memory: MemoryPlan | None   # the GPU memory plan (config/memory_plan.py); None on CPU
     config: Any                 # the resolved config as plain containers: written to the run dir and the tracker
 
-    def engine_for(self, model_path: str | Path, eagle3_drafter_path: str | None = None):
+    def engine_for(self, model_path: str | Path, draft_model_path: str | None = None, draft_method: str = "eagle3"):
         """The engines' config once the model they serve is known (the user's, the tiny one, or the warm start's)
-        and, for an EAGLE-3 run, the drafter they start with."""
+        and, for a run with an external drafter, the export they start with and its method."""
         from dataclasses import replace
 
-        return replace(self.engine, model_path=str(model_path), eagle3_drafter_path=eagle3_drafter_path)
+        return replace(self.engine, model_path=str(model_path), draft_model_path=draft_model_path,
+                       draft_method=draft_method if draft_model_path is not None else "eagle3")
 
 
 def build_run_plan(cfg: DictConfig) -> RunPlan:

@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from skyrl_mtp.drafters.kinds import METHODS as EXTERNAL_METHODS
 from skyrl_mtp.weight_sync.registration import CPU_BACKEND
 from skyrl_mtp.weight_sync.schema import WeightSyncError, part_schema, read_weight_schema, validate_update
 
@@ -127,7 +128,7 @@ class CPUWeightTransferEngine(WeightTransferEngine[CPUWeightTransferInitInfo, CP
         if self._schema is None:
             self._schema = read_weight_schema(self.vllm_config.model_config.model)
             spec = self.vllm_config.speculative_config
-            if spec is not None and spec.method == "eagle3":   # the drafter's own checkpoint: the "draft" part
+            if spec is not None and spec.method in EXTERNAL_METHODS:   # the drafter's own checkpoint: "draft" part
                 self._schema.update(read_weight_schema(spec.draft_model_config.model))
         return part_schema(self._schema, self._part())
 

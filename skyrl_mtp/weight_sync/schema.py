@@ -126,19 +126,19 @@ PARTS = ("main", "draft")
 
 def part_names(names: Collection[str], part: str) -> list[str]:
     """The names one part of a sync carries (the policy's `iter_hf_weights(part)` streams): "main" =
-    everything but the drafter; "draft" = the MTP layers (or an EAGLE-3 drafter's tensors). vLLM's MTP drafter shares the target's
+    everything but the drafter; "draft" = the MTP layers (or an external drafter's tensors). vLLM's MTP drafter shares the target's
     embedding and lm_head modules (spec_decode/llm_base_proposer.py, pipeline size 1), so the main part
     refreshes those for it; the drafter's layerwise reload puts back what it was not sent. Tensors neither part
     carries (``unsynced_hf_names``: e.g. DeepSeek MTP layers' copies of the embedding and lm_head, which vLLM's
     drafter replaces by the target's) are left out of both."""
-    from skyrl_mtp.drafters.eagle3_export import is_eagle3_tensor
+    from skyrl_mtp.drafters.kinds import is_external_drafter_tensor
     from skyrl_mtp.models.families import mtp_hf_names, unsynced_hf_names
 
     skip = unsynced_hf_names(names)
     names = [n for n in names if n not in skip]
-    # the MTP layers, or an external EAGLE-3 drafter's tensors (never the target's embedding or lm_head, which
-    # that drafter shares: the main part refreshes them)
-    mtp = mtp_hf_names(names) | {n for n in names if is_eagle3_tensor(n)}
+    # the MTP layers, or an external drafter's tensors (never the target's embedding or lm_head, which that drafter
+    # shares: the main part refreshes them)
+    mtp = mtp_hf_names(names) | {n for n in names if is_external_drafter_tensor(n)}
     if part == "main":
         return [n for n in names if n not in mtp]
     if part == "draft":

@@ -14,6 +14,8 @@ from skyrl_mtp.policy.synthetic_batch import random_dapo_batches
 pytestmark = pytest.mark.integration
 CFG = dict(policy_lr=1e-3, head_lr=1e-3, micro_batch_size=2, seed=0, mtp_num_depths=2)
 EAGLE3 = dict(CFG, mtp_enabled=False, mtp_num_layers=0, drafter_kind="eagle3")
+DFLASH = dict(CFG, mtp_enabled=False, mtp_num_layers=0, drafter_kind="dflash", drafter_block_size=3, drafter_anchors=8)
+SETUPS = {"mtp": ("tiny_ckpt", CFG), "eagle3": ("tiny_llama_ckpt", EAGLE3), "dflash": ("tiny_llama_ckpt", DFLASH)}
 
 
 def batches():
@@ -33,21 +35,24 @@ def _single_rank(ckpt, cfg: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_ckpt):
-    return _single_rank(tiny_ckpt, CFG)
+def references(request):
+    """The single-rank run of each drafter setup, computed once."""
+    cache = {}
+
+    def get(drafter: str) -> dict:
+        if drafter not in cache:
+            ckpt, cfg = SETUPS[drafter]
+            cache[drafter] = _single_rank(request.getfixturevalue(ckpt), cfg)
+        return cache[drafter]
+    return get
 
 
-@pytest.fixture(scope="module")
-def eagle3_reference(tiny_llama_ckpt):
-    return _single_rank(tiny_llama_ckpt, EAGLE3)
-
-
-@pytest.mark.parametrize("drafter", ["mtp", "eagle3"])
-@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
-def test_two_ranks_match_single_rank(tiny_ckpt, tiny_llama_ckpt, request, tmp_path, tp, dp, drafter):
+@pytest.mark.parametrize("drafter,tp,dp", [("mtp", 2, 1), ("mtp", 1, 2), ("eagle3", 2, 1), ("eagle3", 1, 2),
+                                           ("dflash", 2, 1)])
+def test_two_ranks_match_single_rank(references, request, tmp_path, tp, dp, drafter):
     out = tmp_path / "res"
-    ckpt, cfg = (tiny_ckpt, CFG) if drafter == "mtp" else (tiny_llama_ckpt, EAGLE3)
-    reference = request.getfixturevalue("reference" if drafter == "mtp" else "eagle3_reference")
+    ckpt, cfg = request.getfixturevalue(SETUPS[drafter][0]), SETUPS[drafter][1]
+    reference = references(drafter)
     mp.start_processes(run_rank, args=(2, free_port(), str(ckpt), dict(cfg, tp=tp, dp=dp), batches(), str(out)),
                        nprocs=2, join=True, start_method="spawn")
     r0 = torch.load(f"{out}.0", weights_only=False)

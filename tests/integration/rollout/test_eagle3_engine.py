@@ -170,7 +170,7 @@ def trained(tiny_cache, tmp_path_factory):
 
 
 def test_the_projects_engine_syncs_the_drafter_without_touching_the_target(trained, ray_local):
-    """skyrl_mtp's engine (EngineConfig.eagle3_drafter_path) started on the trained export drafts as the plain
+    """skyrl_mtp's engine (EngineConfig.draft_model_path) started on the trained export drafts as the plain
     engine does; a weight sync to the untrained drafter and back (main part and draft part, the draft part carrying
     the drafter's own tensors only) leaves it equal to that cold load, tensor for tensor, and never changes the
     target's tensors, which the drafter shares (embedding, lm_head)."""
@@ -184,7 +184,7 @@ def test_the_projects_engine_syncs_the_drafter_without_touching_the_target(train
     target = load_file(str(ckpt / "model.safetensors"))
     weights = {d: load_file(str(trained[d] / "model.safetensors")) for d in ("export", "untrained_export")}
     client = EngineClient.create(EngineConfig(model_path=str(ckpt), num_speculative_tokens=K,
-                                              eagle3_drafter_path=str(trained["export"]), max_model_len=128,
+                                              draft_model_path=str(trained["export"]), max_model_len=128,
                                               max_num_seqs=16, kv_cache_memory_bytes=32 * 2**20,
                                               engine_kwargs={"enable_prefix_caching": False}))
     greedy = SamplingSpec(temperature=0.0, max_tokens=NEW, ignore_eos=True)

@@ -211,34 +211,47 @@ def test_one_step_off_is_one_step_stale_resumes_as_unbroken_and_leaves_the_polic
     assert on[3][acc] > off[3][acc] + 0.05, (on[3][acc], off[3][acc])   # the drafts really differed
 
 
-EAGLE3 = [*SMALL, "model.tiny.family=llama", "trainer.drafter.kind=eagle3", "trainer.total_steps=3",
-          "trainer.checkpoint.every_n_steps=3", "trainer.eval_every_n_steps=0", "logger.plots=false"]
+EXTERNAL = [*SMALL, "model.tiny.family=llama", "trainer.total_steps=4", "trainer.checkpoint.every_n_steps=4",
+            "trainer.eval_every_n_steps=0", "logger.plots=false"]
 
 
 @pytest.fixture(scope="module")
-def eagle3_run(tmp_path_factory, cli) -> Path:
-    run = tmp_path_factory.mktemp("rl") / "eagle3"
-    proc = cli([*EAGLE3, f"trainer.run_dir={run}"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run
+def external_runs(tmp_path_factory, cli) -> dict[str, Path]:
+    """The tiny llama (no MTP layers) with an EAGLE-3 and with a DFlash drafter, side by side."""
+    root = tmp_path_factory.mktemp("rl")
+    with ThreadPoolExecutor(2) as pool:
+        procs = {k: pool.submit(cli, [*EXTERNAL, f"trainer.drafter.kind={k}", f"trainer.run_dir={root / k}"])
+                 for k in ("eagle3", "dflash")}
+        for proc in procs.values():
+            assert proc.result().returncode == 0, proc.result().stderr[-4000:]
+    return {k: root / k for k in procs}
 
 
-def test_an_eagle3_drafter_trains_beside_the_policy_and_the_engines_draft_with_each_update(eagle3_run):
-    """The tiny llama (no MTP layers) with trainer.drafter.kind=eagle3: the engines start on the run's seeded
-    drafter export and draft with method eagle3; each step's sync carries the drafter trained in the policy worker,
-    so acceptance climbs from the untrained drafter's; the checkpoint holds the drafter, exported as vLLM loads it."""
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_an_external_drafter_trains_beside_the_policy_and_the_engines_draft_with_each_update(external_runs, kind):
+    """trainer.drafter.kind=eagle3 / dflash on the tiny llama: the engines start on the run's seeded drafter export
+    and draft with vLLM's method of that name; each step's sync carries the drafter trained in the policy worker, so
+    acceptance climbs from the untrained drafter's; the checkpoint holds the drafter, exported as vLLM loads it; the
+    policy's metrics are the same with either drafter (it never sees them)."""
+    from skyrl_mtp.drafters.dflash_export import load_dflash
     from skyrl_mtp.drafters.eagle3_export import load_eagle3
 
-    info = json.loads((eagle3_run / "run_info.json").read_text())
+    run = external_runs[kind]
+    info = json.loads((run / "run_info.json").read_text())
     assert info["engine_config"]["speculative_config"] == {
-        "method": "eagle3", "model": str(eagle3_run / "drafter_init"), "num_speculative_tokens": 2}
-    assert info["policy_worker_config"]["drafter_kind"] == "eagle3" and info["policy_worker_config"]["mtp_num_layers"] == 0
-    m = metrics(eagle3_run)
-    acc = [m[s]["rollout/train/draft_acceptance_rate_pos_1"] for s in (1, 2, 3)]
+        "method": kind, "model": str(run / "drafter_init"), "num_speculative_tokens": 2}
+    assert info["policy_worker_config"]["drafter_kind"] == kind and info["policy_worker_config"]["mtp_num_layers"] == 0
+    m = metrics(run)
+    acc = [m[s]["rollout/train/draft_acceptance_rate_pos_1"] for s in (1, 2, 3, 4)]
     assert acc[0] < 0.15 and acc[-1] > acc[0] + 0.1, acc
-    assert m[3]["mtp/loss"] < m[1]["mtp/loss"] and m[3]["mtp/grad_norm"] > 0
-    initial, _ = load_eagle3(eagle3_run / "drafter_init")
-    trained, cfg = load_eagle3(eagle3_run / "checkpoints" / "step_3" / "draft_head")
-    assert cfg.aux_layer_ids == (0, 1, 2)
+    assert m[4]["mtp/loss"] < m[1]["mtp/loss"] and m[4]["mtp/grad_norm"] > 0
+    load = load_eagle3 if kind == "eagle3" else load_dflash
+    initial, _ = load(run / "drafter_init")
+    trained, cfg = load(run / "checkpoints" / "step_4" / "draft_head")
+    assert (cfg.aux_layer_ids if kind == "eagle3" else cfg.target_layer_ids) == ((0, 1, 2) if kind == "eagle3" else (1,))
     moved = {n: float((t - initial.state_dict()[n]).abs().max()) for n, t in trained.state_dict().items()}
     assert min(moved.values()) > 0, moved
+    other = metrics(external_runs["dflash" if kind == "eagle3" else "eagle3"])
+    for step in (1, 2, 3, 4):
+        assert {k: v for k, v in m[step].items() if k.startswith(("policy/", "reward/"))} == \
+            {k: v for k, v in other[step].items() if k.startswith(("policy/", "reward/"))}

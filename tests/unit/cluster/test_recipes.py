@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from model_configs import FOR_RECIPE, write_config
+from eagle3_target_configs import FOR_EAGLE3_RECIPE
+from model_configs import FOR_RECIPE as HEADLINE_MODELS
+from model_configs import write_config
 
 from skyrl_mtp.cluster.placement import PlacementError, plan_placement
 from skyrl_mtp.config import ConfigError, load_config
@@ -16,6 +18,8 @@ from skyrl_mtp.config.validation import REQUIRED_PREFIX
 from skyrl_mtp.trainer.run_plan import placement_plan
 
 REPO = Path(__file__).resolve().parents[3]
+FOR_RECIPE = {**HEADLINE_MODELS, **FOR_EAGLE3_RECIPE}   # each recipe's model's config.json
+EAGLE3_RECIPES = sorted(FOR_EAGLE3_RECIPE)
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 
 
@@ -63,7 +67,7 @@ def user_overrides(recipe: str, tmp: Path) -> list[str]:
 def test_the_gpu_recipes_name_their_layers_and_the_plan_counts_them_wherever_they_are_submitted(tmp_path):
     # the plan reads megatron.layer_impl, not what the submitting machine has installed (this one has no TE)
     for name in ("mimo7b_dapo", "mimo7b_searchr1", "qwen3_5_9b_dapo", "qwen3_5_27b_dapo", "qwen3next_dapo",
-                 "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo"):
+                 "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo", *EAGLE3_RECIPES):
         cfg = load_config([f"recipe={name}", *user_overrides(name, tmp_path / name)])
         assert cfg.megatron.layer_impl == "transformer_engine", name
 
@@ -78,7 +82,7 @@ def test_with_the_local_layers_the_headline_recipe_is_refused_with_a_setting_tha
 
 def test_the_cluster_recipes_exist():
     assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo",
-            "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo"} <= set(RECIPES)
+            "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo", "llama3_1_8b_eagle3_dapo", "qwen3_8b_eagle3_dapo"} <= set(RECIPES)
 
 
 RUNNABLE = RECIPES
@@ -106,7 +110,7 @@ def _compose(recipe: str, tmp: Path):
 @pytest.mark.parametrize("recipe", RUNNABLE)
 def test_recipe_validates_with_user_paths(recipe, tmp_path):
     cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
-    if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts:
+    if cfg.trainer.mtp.enabled and cfg.trainer.mtp.draft_in_rollouts and cfg.trainer.drafter.kind == "mtp":
         from skyrl_mtp.trainer.run_plan import engine_config
 
         spec = engine_config(cfg, tmp_path).speculative_config   # derived from trainer.mtp only
@@ -114,7 +118,7 @@ def test_recipe_validates_with_user_paths(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo",
-                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo"])
+                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo", *EAGLE3_RECIPES])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -140,6 +144,8 @@ HARDWARE = [
     ("glm4_5_air_dapo", [{"CPU": 24.0, "GPU": 8.0}] * 4, 32, 2),
     ("qwen3_5_27b_dapo", [{"CPU": 32.0, "GPU": 8.0}] * 2, 16, 3),
     ("qwen3_5_35b_a3b_dapo", [{"CPU": 32.0, "GPU": 8.0}] * 2, 16, 2),
+    ("llama3_1_8b_eagle3_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
+    ("qwen3_8b_eagle3_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
 ]
 
 MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo")}   # the released models' shapes
@@ -187,6 +193,27 @@ def test_recipe_builds_its_policy_and_engine_configs(recipe, tmp_path):
     assert engine.num_engines == cfg.generator.num_engines
     assert engine.tensor_parallel_size == cfg.generator.tensor_parallel_size
     assert engine.pipeline_parallel_size == cfg.generator.pipeline_parallel_size
+
+
+@pytest.mark.parametrize("recipe", EAGLE3_RECIPES)
+def test_eagle3_recipes_train_the_drafter_beside_the_policy_and_fit_without_offload(recipe, tmp_path):
+    """The policy workers train an EAGLE-3 drafter (no MTP layers), for every depth the engines draft, and the plan
+    fits with the policy's grads and optimizer state on the GPU while the engines are awake (the drafter's own
+    optimizer side has no host offload)."""
+    from skyrl_mtp.config.memory_drafter import eagle3_param_count
+    from skyrl_mtp.config.memory_plan import memory_plan, model_shape
+    from skyrl_mtp.trainer.run_plan import engine_config, policy_worker_config
+
+    cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
+    worker = policy_worker_config(cfg)
+    assert worker.drafter_kind == "eagle3" and not worker.mtp_enabled and worker.mtp_num_layers == 0
+    assert worker.mtp_num_depths == engine_config(cfg, tmp_path).num_speculative_tokens == 3
+    hf = FOR_RECIPE[recipe]
+    plan = memory_plan(cfg, hf)
+    assert plan.policy.drafter == 16 * eagle3_param_count(model_shape(cfg, hf)) > 4e9
+    assert plan.policy.step_peak[0] == "draft loss" and plan.engine.drafter > 0
+    assert not plan.offload_while_engines_awake and not plan.problems
+    assert plan.peak[1] < 0.92 * plan.usable                  # ~6 GB (qwen3) to ~10 GB (llama) of margin
 
 
 # the recipes of models too large for one pipeline stage per GPU group: (recipe, policy pp, engine pp)

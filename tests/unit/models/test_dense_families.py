@@ -182,9 +182,10 @@ def test_mtp_drafting_is_refused_for_a_tiny_model_without_mtp_layers(family):
         load_config(["recipe=tiny_dapo", f"model.tiny.family={family}"])
     assert info.value.problems == [
         f"trainer.drafter.kind='mtp' is invalid: cannot draft with the tiny {family} model (model.tiny): it has no MTP "
-        "layers (num_nextn_predict_layers=0); allowed: 'eagle3' (targets ['LlamaForCausalLM', 'Qwen3ForCausalLM']), "
+        "layers (num_nextn_predict_layers=0); allowed: 'eagle3' or 'dflash' (targets ['LlamaForCausalLM', "
+        "'Qwen3ForCausalLM']), "
         "or trainer.mtp.enabled=false (no speculation)"]
-    for ok in ("trainer.mtp.enabled=false", "trainer.drafter.kind=eagle3"):
+    for ok in ("trainer.mtp.enabled=false", "trainer.drafter.kind=eagle3", "trainer.drafter.kind=dflash"):
         cfg = load_config(["recipe=tiny_dapo", f"model.tiny.family={family}", ok])
         assert cfg.model.tiny.family == family
 
@@ -197,7 +198,8 @@ def test_mtp_drafting_is_refused_for_a_dense_checkpoint(tmp_path):
         load_config(["recipe=tiny_dapo", f"model.path={ckpt}", "trainer.warm_start.enabled=false"])
     assert info.value.problems == [
         "trainer.drafter.kind='mtp' is invalid: cannot draft with the llama model at model.path: it has no MTP layers "
-        "(num_nextn_predict_layers=0); allowed: 'eagle3' (targets ['LlamaForCausalLM', 'Qwen3ForCausalLM']), or "
+        "(num_nextn_predict_layers=0); allowed: 'eagle3' or 'dflash' (targets ['LlamaForCausalLM', "
+        "'Qwen3ForCausalLM']), or "
         "trainer.mtp.enabled=false (no speculation)"]
-    for ok in ("trainer.mtp.enabled=false", "trainer.drafter.kind=eagle3"):
+    for ok in ("trainer.mtp.enabled=false", "trainer.drafter.kind=eagle3", "trainer.drafter.kind=dflash"):
         load_config(["recipe=tiny_dapo", f"model.path={ckpt}", "trainer.warm_start.enabled=false", ok])

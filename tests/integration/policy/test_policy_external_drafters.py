@@ -1,6 +1,7 @@
-"""The Megatron policy training an EAGLE-3 drafter beside it (drafter_kind="eagle3"), on the tiny llama, on CPU with
-real megatron-core (one process, TP=1): the policy's update is bitwise the one without a drafter, the drafter
-learns the policy's next-token distribution, and a checkpoint resumes it exactly and exports it as vLLM loads it."""
+"""The Megatron policy training an external drafter beside it (drafter_kind "eagle3" or "dflash"), on the tiny llama,
+on CPU with real megatron-core (one process, TP=1): the policy's update is bitwise the one without a drafter, the
+drafter learns the policy's next-token distribution, and a checkpoint resumes it exactly and exports it as vLLM
+loads it."""
 
 import copy
 
@@ -38,11 +39,17 @@ def trunk(p: MegatronPolicy) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in p.model.named_parameters()}
 
 
-def test_the_policy_update_is_bitwise_the_one_without_a_drafter_and_the_drafter_learns(tiny_llama_ckpt):
-    on = make(tiny_llama_ckpt, drafter_kind="eagle3", mtp_num_depths=2)
+KINDS = {"eagle3": dict(drafter_kind="eagle3", mtp_num_depths=2),
+         "dflash": dict(drafter_kind="dflash", drafter_block_size=3, drafter_anchors=8)}
+READS = {"eagle3": (0, 1, 2), "dflash": (2,)}   # the tiny llama's 2 layers: EAGLE-3's three ids, DFlash's n // 2 = 1
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_policy_update_is_bitwise_the_one_without_a_drafter_and_the_drafter_learns(tiny_llama_ckpt, kind):
+    on = make(tiny_llama_ckpt, **KINDS[kind])
     off = make(tiny_llama_ckpt)
     vocab = on.args.vocab_size
-    assert off.drafter is None and on.drafter.config.aux_layer_ids == (0, 1, 2)
+    assert off.drafter is None and on.drafter.aux_layer_ids() == READS[kind]
     start = {n: t.clone() for n, t in on.drafter.iter_weights()}
     for step in range(4):
         batch = make_batch(vocab, 10 + step)
@@ -57,7 +64,7 @@ def test_the_policy_update_is_bitwise_the_one_without_a_drafter_and_the_drafter_
     assert all(v > 0 for v in moved.values()), moved
     # on one fixed batch (the policy's lr 0 keeps the teacher fixed) the drafter's top-1 comes to agree with the
     # policy's (the tiny policy is nearly flat, so the soft CE stays near its floor, the policy's entropy)
-    fixed = make(tiny_llama_ckpt, drafter_kind="eagle3", policy_lr=0.0, head_lr=1e-2)
+    fixed = make(tiny_llama_ckpt, **KINDS[kind], policy_lr=0.0, head_lr=1e-2)
     ms = [fixed.train_step(make_batch(vocab, 99), "dapo", {}) for _ in range(12)]
     agree = [m["mtp/top1_agreement_pos_1"] for m in ms]
     assert agree[0] < 0.1 and agree[-1] > 0.25, agree
@@ -66,26 +73,29 @@ def test_the_policy_update_is_bitwise_the_one_without_a_drafter_and_the_drafter_
         p.capture.remove()
 
 
-def test_a_checkpoint_resumes_the_drafter_exactly_and_exports_it_for_vllm(tiny_llama_ckpt, tmp_path):
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_checkpoint_resumes_the_drafter_exactly_and_exports_it_for_vllm(tiny_llama_ckpt, tmp_path, kind):
+    from skyrl_mtp.drafters.dflash_export import is_dflash_tensor, load_dflash
     from skyrl_mtp.drafters.eagle3_export import is_eagle3_tensor, load_eagle3
 
-    a = make(tiny_llama_ckpt, drafter_kind="eagle3", head_lr_warmup_steps=3)
+    load, is_tensor = (load_eagle3, is_eagle3_tensor) if kind == "eagle3" else (load_dflash, is_dflash_tensor)
+    a = make(tiny_llama_ckpt, **KINDS[kind], head_lr_warmup_steps=3)
     vocab = a.args.vocab_size
     for i in range(2):
         a.train_step(make_batch(vocab, 20 + i), "dapo", {})
     a.save_checkpoint(str(tmp_path / "ck"))
     m_a = [a.train_step(make_batch(vocab, 30 + i), "dapo", {}) for i in range(2)]
-    b = make(tiny_llama_ckpt, drafter_kind="eagle3", head_lr_warmup_steps=3, seed=7)   # another initial drafter
+    b = make(tiny_llama_ckpt, **KINDS[kind], head_lr_warmup_steps=3, seed=7)   # another initial drafter
     b.load_checkpoint(str(tmp_path / "ck"))
     m_b = [b.train_step(make_batch(vocab, 30 + i), "dapo", {}) for i in range(2)]
     assert [reproducible_metrics(m) for m in m_a] == [reproducible_metrics(m) for m in m_b]
     wa, wb = dict(a.drafter.iter_weights()), dict(b.drafter.iter_weights())
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
     # the draft-only export is the drafter as it was at the checkpoint, in vLLM's layout
-    exported, cfg = load_eagle3(tmp_path / "ck" / "draft_head")
+    exported, cfg = load(tmp_path / "ck" / "draft_head")
     assert cfg == a.drafter.config
     draft = dict(a.iter_hf_weights("draft"))
-    assert draft.keys() == exported.state_dict().keys() and all(is_eagle3_tensor(n) for n in draft)
-    assert not any(is_eagle3_tensor(n) for n, _ in a.iter_hf_weights("main"))
+    assert draft.keys() == exported.state_dict().keys() and all(is_tensor(n) for n in draft)
+    assert not any(is_tensor(n) for n, _ in a.iter_hf_weights("main"))
     for p in (a, b):
         p.capture.remove()

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Llama-3.1-8B-Instruct DAPO with an EAGLE-3 drafter trained online (k = 3) on one node of 8 x 80 GB GPUs (see
+# recipes/llama3_1_8b_eagle3_dapo.yaml for the hardware and layout), submitted as a Ray job:
+#   RAY_API_SERVER_ADDRESS=http://HEAD:8265 MODEL_PATH=/shared/Llama-3.1-8B-Instruct \
+#   TRAIN_FILES=/shared/data/dapo-math-17k.parquet RUN_DIR=/shared/runs/llama3_1_8b_eagle3_dapo \
+#   scripts/launch_llama3_1_8b_eagle3_dapo.sh [trainer.drafter.init=/shared/drafters/llama3_1_8b_eagle3] [key=value ...]
+# Paths are as the cluster nodes see them. If they do not exist on this machine, set
+# SUBMIT_ARGS=--skip-path-checks. TRAIN_FILES may list several files, comma-separated.
+exec "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/launch_dapo_recipe.sh" llama3_1_8b_eagle3_dapo "Llama-3.1-8B-Instruct" "$@"
