@@ -5,10 +5,10 @@ target forward. This measures both ends: an oracle MTP head (drafts always accep
 and a random head (drafts never accepted: the lower bound, the pure cost of speculating), for k = 1..3,
 against no speculative decoding, on a model big enough that CPU decoding is not pure per-step overhead.
 Trained drafters are measured the same way, side by side: an RL run's MTP head (`--draft-heads trained
---trained-ckpt RUN/checkpoints/step_N`) and an RL run's EAGLE-3 drafter (`--draft-heads eagle3 --eagle3-ckpt
-RUN/checkpoints/step_N`: the target in hf/, the drafter in draft_head/; without it, the tiny Llama and a fresh
-drafter, untrained); `--task-prompts` serves the arithmetic task's held-out questions through the checkpoint's chat
-template (what the runs trained on) instead of random token ids.
+--trained-ckpt RUN/checkpoints/step_N`) and an RL run's EAGLE-3 or DFlash drafter (`--draft-heads eagle3 dflash
+--eagle3-ckpt RUN/checkpoints/step_N --dflash-ckpt ...`: the target in hf/, the drafter in draft_head/; without
+one, the tiny Llama and a fresh drafter, untrained); `--task-prompts` serves the arithmetic task's held-out questions
+through the checkpoint's chat template (what the runs trained on) instead of random token ids.
 
 Every head gets one engine per k (and a no-spec one: the checkpoints' trunks differ), all alive at once;
 at every batch size in turn (--batches; max_num_seqs is the largest) they are timed round-robin, one
@@ -33,8 +33,8 @@ relative to a target forward, is estimated from parameter counts (MTP layer + sh
 trunk + lm_head, matmul FLOPs per token); the measured lower bound shows how good that estimate is.
 
     python benchmarks/rollout_spec.py [--json OUT] [--ks 1 2 3 auto] [--batches 1 16 64] [--max-tokens 64]
-    python benchmarks/rollout_spec.py --draft-heads trained eagle3 --trained-ckpt MTP_RUN/checkpoints/step_100 \
-        --eagle3-ckpt EAGLE3_RUN/checkpoints/step_100 --task-prompts --ks 1 2 3
+    python benchmarks/rollout_spec.py --draft-heads trained eagle3 dflash --trained-ckpt MTP_RUN/checkpoints/step_100 \
+        --eagle3-ckpt EAGLE3_RUN/checkpoints/step_100 --dflash-ckpt DFLASH_RUN/checkpoints/step_100 --task-prompts --ks 2
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 # --quick: a smoke size (no-spec and auto-k engines, a small model, one repetition); explicit flags still win
+EXTERNAL = ("eagle3", "dflash")   # external drafter heads (drafters/kinds.py)
 QUICK = dict(draft_heads=["oracle", "eagle3"], ks=["auto", "1"], batches=[2], prompt_len=8, max_tokens=16, reps=1,
              hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, vocab=1024)
 
@@ -63,17 +64,32 @@ def draft_cost_ratio(spec) -> float:
     return (block + 2 * h * h + lm_head) / (spec.layers * block + lm_head)
 
 
-def eagle3_cost_ratio(target: dict, drafter: dict) -> float:
-    """The same ratio for an EAGLE-3 draft step (fc over three hidden states, one layer whose q/k/v read 2H, the
-    shared lm_head) over one target step, from the two config.json files."""
+def spec_of(hf: dict):
+    """The fields draft_cost_ratio reads, from a checkpoint's config.json."""
+    from types import SimpleNamespace
+
+    heads = hf["num_attention_heads"]
+    return SimpleNamespace(hidden=hf["hidden_size"], intermediate=hf["intermediate_size"], vocab=hf["vocab_size"],
+                           heads=heads, kv_heads=hf.get("num_key_value_heads") or heads, layers=hf["num_hidden_layers"],
+                           head_dim=hf.get("head_dim") or hf["hidden_size"] // heads)
+
+
+def external_cost_ratio(target: dict, drafter: dict) -> float:
+    """The same ratio for an external drafter's token, from the two config.json files: EAGLE-3 (fc over three hidden
+    states, one layer whose q/k/v read 2H) or DFlash (fc over its target layers, its layers; the block's k + 1
+    tokens each cost this), each with the shared lm_head, over one target token."""
     h, f, v = target["hidden_size"], target["intermediate_size"], target["vocab_size"]
     a, g = target["num_attention_heads"], target.get("num_key_value_heads") or target["num_attention_heads"]
     d = target.get("head_dim") or h // a
     block = h * a * d * 2 + h * g * d * 2 + 3 * h * f
     da, dg = drafter["num_attention_heads"], drafter["num_key_value_heads"]
     dd, df = drafter["head_dim"], drafter["intermediate_size"]
-    layer = 2 * h * (da + 2 * dg) * dd + da * dd * h + 3 * h * df
-    return (3 * h * h + layer + v * h) / (target["num_hidden_layers"] * block + v * h)
+    if "dflash_config" in drafter:
+        n_in = len(drafter["dflash_config"]["target_layer_ids"])
+        draft = n_in * h * h + drafter["num_hidden_layers"] * (2 * h * (da + dg) * dd + 3 * h * df) + v * h
+    else:
+        draft = 3 * h * h + 2 * h * (da + 2 * dg) * dd + da * dd * h + 3 * h * df + v * h
+    return draft / (target["num_hidden_layers"] * block + v * h)
 
 
 def task_prompts(model_dir: str, n: int) -> list[list[int]]:
@@ -276,14 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto-max", type=int, default=3, help="the maximum k of the auto rows")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--draft-heads", nargs="+", default=["oracle", "random"],
-                    choices=["oracle", "random", "trained", "eagle3"],
-                    help="trained: the MTP head in --trained-ckpt; eagle3: the EAGLE-3 drafter of --eagle3-ckpt")
+                    choices=["oracle", "random", "trained", *EXTERNAL],
+                    help="trained: the MTP head in --trained-ckpt; eagle3 / dflash: the drafter of --eagle3-ckpt / "
+                         "--dflash-ckpt")
     ap.add_argument("--trained-ckpt", default=None,
                     help="an HF checkpoint with a trained MTP head (benchmarks/draft_head_training.py --save-trained), "
                          "or an RL run's checkpoint directory (its hf/)")
-    ap.add_argument("--eagle3-ckpt", default=None,
-                    help="an RL run's checkpoint directory with hf/ (the target) and draft_head/ (its EAGLE-3 drafter); "
-                         "default: the tiny Llama of this shape and a fresh, untrained drafter")
+    for kind in EXTERNAL:
+        ap.add_argument(f"--{kind}-ckpt", default=None,
+                        help=f"an RL run's checkpoint directory with hf/ (the target) and draft_head/ (its {kind} "
+                             "drafter); default: the tiny Llama of this shape and a fresh, untrained drafter")
     ap.add_argument("--task-prompts", action="store_true",
                     help="the arithmetic task's held-out questions (chat template of each checkpoint) as prompts")
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -307,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         a.trained_ckpt = str(Path(a.trained_ckpt) / "hf")   # an RL run's checkpoint: its HF export
     if "trained" in a.draft_heads and not (a.trained_ckpt and (Path(a.trained_ckpt) / "config.json").is_file()):
         ap.error(f"--draft-heads trained needs --trained-ckpt (an HF checkpoint directory); got {a.trained_ckpt!r}")
-    if a.eagle3_ckpt and not all((Path(a.eagle3_ckpt) / d / "config.json").is_file() for d in ("hf", "draft_head")):
-        ap.error(f"--eagle3-ckpt={a.eagle3_ckpt!r} is invalid: expected an RL run's checkpoint directory with hf/ and "
-                 "draft_head/ (trainer.drafter.kind=eagle3)")
+    for kind in EXTERNAL:
+        ckpt = getattr(a, f"{kind}_ckpt")
+        if ckpt and not all((Path(ckpt) / d / "config.json").is_file() for d in ("hf", "draft_head")):
+            ap.error(f"--{kind}-ckpt={ckpt!r} is invalid: expected an RL run's checkpoint directory with hf/ and "
+                     f"draft_head/ (trainer.drafter.kind={kind})")
     if a.auto_max < 1 or any(b < 1 for b in a.batches):
         ap.error(f"--auto-max={a.auto_max} and --batches={a.batches} must be >= 1")
     a.ks = [k if k == "auto" else int(k) for k in a.ks]
@@ -331,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     c = draft_cost_ratio(TinyModelSpec(**shape))
 
     targets = {"random": (str(random_ckpt), None), "oracle": (str(oracle), None), "trained": (a.trained_ckpt, None),
-               "eagle3": eagle3_target(a, shape) if "eagle3" in a.draft_heads else None}
+               **{kind: external_target(a, kind, shape) for kind in EXTERNAL if kind in a.draft_heads}}
     g = torch.Generator().manual_seed(0)
     random_prompts = [torch.randint(10, 200, (a.prompt_len,), generator=g).tolist() for _ in range(max(a.batches))]
     sampling = dict(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=1)
@@ -348,15 +368,18 @@ def main(argv: list[str] | None = None) -> int:
         # trainer (sync/* metrics)
         path, drafter = targets[head]
         prompts = task_prompts(path, max(a.batches)) if a.task_prompts else random_prompts
-        cost = c if drafter is None else eagle3_cost_ratio(*(json.loads((Path(p) / "config.json").read_text())
-                                                             for p in (path, drafter)))
+        if drafter is not None:
+            cost = external_cost_ratio(*(json.loads((Path(p) / "config.json").read_text()) for p in (path, drafter)))
+        else:   # the MTP head of the checkpoint served (a trained one need not have the benchmark's shape)
+            cost = draft_cost_ratio(spec_of(json.loads((Path(path) / "config.json").read_text())))
         ks = [k for k in a.ks if not (drafter and k == "auto")]   # auto k drafts with MTP heads only
         engines: dict = {}
         try:
             for k in [0, *ks]:
                 eng_cfg = EngineConfig(model_path=path, num_speculative_tokens=a.auto_max if k == "auto" else k,
                                        max_num_seqs=max(a.batches), adaptive_speculation=k == "auto",
-                                       draft_model_path=drafter if k else None)
+                                       draft_model_path=drafter if k else None,
+                                       draft_method=head if head in EXTERNAL else "eagle3")
                 managed = eng_cfg.managed_engine_kwargs(WORKER_EXTENSION_CLS)
                 sched = {key: managed[key] for key in ("scheduler_cls", "async_scheduling", "additional_config")
                          } if k == "auto" else {}
@@ -391,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if x is None else format(x, spec)
 
     print(f"\nmodel: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} vocab={a.vocab} fp32 (oracle / "
-          f"random heads; trained ones: their checkpoints'); prompts: "
+          f"random heads; trained and external ones: their checkpoints'); prompts: "
           f"{'the arithmetic task' if a.task_prompts else f'{a.prompt_len} random tokens'}; max_tokens={a.max_tokens} "
-          f"(greedy, EOS ignored); draft cost ratio c={c:.3f} for the MTP heads (parameter estimate; each row's own "
-          "in the JSON)")
+          f"(greedy, EOS ignored); draft cost ratio c={c:.3f} for the oracle / random heads (parameter estimate; each "
+          "row's own in the JSON)")
     print(f"{'head':>7} {'k':>5} {'batch':>5} {'tok/s':>8} {'accept':>7} {'mean_len':>8} {'k_mean':>6} {'speedup':>8} "
           f"{'per-round range':>15} {'median':>6} {'predicted':>9} {'same':>5}")
     for row in rows:
@@ -409,18 +432,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def eagle3_target(a, shape: dict) -> tuple[str, str]:
-    """(target checkpoint, EAGLE-3 drafter export) of the eagle3 head: --eagle3-ckpt's, or the tiny Llama of the
-    benchmark's shape with a fresh drafter (seed 0, untrained)."""
-    if a.eagle3_ckpt:
-        return str(Path(a.eagle3_ckpt) / "hf"), str(Path(a.eagle3_ckpt) / "draft_head")
+def external_target(a, kind: str, shape: dict) -> tuple[str, str]:
+    """(target checkpoint, drafter export) of an external drafter head: --{kind}-ckpt's, or the tiny Llama of the
+    benchmark's shape with a fresh drafter (seed 0, untrained; DFlash: one block of the largest k + 1)."""
+    ckpt = getattr(a, f"{kind}_ckpt")
+    if ckpt:
+        return str(Path(ckpt) / "hf"), str(Path(ckpt) / "draft_head")
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
     from skyrl_mtp.policy.config import PolicyWorkerConfig
     from skyrl_mtp.policy.drafter_training import write_initial_export
 
     target = cached_tiny_checkpoint(a.cache, TinyModelSpec(family="llama", **{**shape, "mtp_layers": 0}))
-    fresh = PolicyWorkerConfig(drafter_kind="eagle3", mtp_enabled=False, seed=0)
-    return str(target), str(write_initial_export(fresh, target, Path(a.cache) / f"eagle3-{target.name}"))
+    block = max([k for k in a.ks if k != "auto"] + [1]) + 1
+    fresh = PolicyWorkerConfig(drafter_kind=kind, mtp_enabled=False, seed=0, drafter_block_size=block)
+    return str(target), str(write_initial_export(fresh, target, Path(a.cache) / f"{kind}-b{block}-{target.name}"))
 
 
 if __name__ == "__main__":
