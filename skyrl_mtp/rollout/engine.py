@@ -276,6 +276,7 @@ class InferenceEngine:
                 "cpu_sampling_fix": checks[0]["cpu_sampling_fix"],
                 "draft_invariant_sampling": checks[0]["draft_invariant_sampling"],
                 "moe_cpu_repack": checks[0]["moe_cpu_repack"], "vllm_kernel_build": checks[0]["vllm_kernel_build"],
+                "dflash_patches": list(checks[0]["dflash_patches"]),
                 "thread_affinity": [c["thread_affinity"] for c in checks] if len(checks) > 1
                 else checks[0]["thread_affinity"],
                 "pipeline_parallel_patch": checks[0]["pipeline_parallel_patch"],
