@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 # --quick: a smoke size (no-spec and auto-k engines, a small model, one repetition); explicit flags still win
 EXTERNAL = ("eagle3", "dflash")   # external drafter heads (drafters/kinds.py)
-QUICK = dict(draft_heads=["oracle", "eagle3"], ks=["auto", "1"], batches=[2], prompt_len=8, max_tokens=16, reps=1,
+QUICK = dict(draft_heads=["oracle", "eagle3"], ks=["auto"], batches=[2], prompt_len=8, max_tokens=16, reps=1,
              hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, vocab=1024)
 
 
@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             cost = external_cost_ratio(*(json.loads((Path(p) / "config.json").read_text()) for p in (path, drafter)))
         else:   # the MTP head of the checkpoint served (a trained one need not have the benchmark's shape)
             cost = draft_cost_ratio(spec_of(json.loads((Path(path) / "config.json").read_text())))
-        ks = [k for k in a.ks if not (drafter and k == "auto")]   # auto k drafts with MTP heads only
+        # auto k drafts with MTP heads only: an external drafter takes the fixed ks (k = 1 when there are none)
+        ks = ([k for k in a.ks if k != "auto"] or [1]) if drafter else a.ks
         engines: dict = {}
         try:
             for k in [0, *ks]:
