@@ -55,58 +55,64 @@ def predicted(drafter, aux, seqs, embed, lm_head) -> tuple[int, list[int]]:
     return simulate_greedy_spec_decode(accepted_lengths(drafts, seqs), PROMPT, NEW, K)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_cache, tmp_path_factory):
+def _prepare(tiny_cache, tmp_path):
+    """The target, its greedy sequences and aux states, and the untrained drafter's export."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_mtp.drafters.dflash import DFlashConfig, DFlashDrafter
     from skyrl_mtp.drafters.dflash_export import export_dflash
     from skyrl_mtp.models.tiny import TinyModelSpec, cached_tiny_checkpoint
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    tmp_path = tmp_path_factory.mktemp("dflash")
-    try:
-        ckpt = cached_tiny_checkpoint(tiny_cache, TinyModelSpec(seed=0, family="llama"))
-        hf_cfg = json.loads((ckpt / "config.json").read_text())
-        cfg = DFlashConfig.from_target(hf_cfg, num_layers=2, block_size=K + 1)
-        assert cfg.target_layer_ids == (0, 1)
-        aux_ids = tuple(i + 1 for i in cfg.target_layer_ids)
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-        embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
-        g = torch.Generator().manual_seed(0)
-        vocab = hf_cfg["vocab_size"]
-        train_seqs = greedy_sequences(model, torch.randint(3, vocab, (TRAIN_ROWS, PROMPT), generator=g), NEW + K)
-        held_out = greedy_sequences(model, torch.randint(3, vocab, (HELD_OUT_ROWS, PROMPT), generator=g), NEW + K)
-        eval_seqs = torch.cat([train_seqs[:HELD_OUT_ROWS], held_out])
-        logits, aux = target_states(model, train_seqs, aux_ids)
-        _, eval_aux = target_states(model, eval_seqs, aux_ids)
-        drafter = DFlashDrafter(cfg, torch.Generator().manual_seed(1))
-        untrained_export = export_dflash(drafter, cfg, tmp_path / "untrained")
-        untrained = predicted(drafter, eval_aux, eval_seqs, embed, lm_head)
-        losses = train(drafter, aux, train_seqs, logits, embed, lm_head)
-        export = export_dflash(drafter, cfg, tmp_path / "dflash")
-        drafts, per_pos = predicted(drafter, eval_aux, eval_seqs, embed, lm_head)
-    finally:
-        torch.set_num_threads(threads)
-    return {"ckpt": ckpt, "export": export, "untrained_export": untrained_export, "eval_seqs": eval_seqs,
-            "untrained": untrained, "drafts": drafts, "per_pos": per_pos, "losses": losses}
+    ckpt = cached_tiny_checkpoint(tiny_cache, TinyModelSpec(seed=0, family="llama"))
+    hf_cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = DFlashConfig.from_target(hf_cfg, num_layers=2, block_size=K + 1)
+    assert cfg.target_layer_ids == (0, 1)
+    drafter = DFlashDrafter(cfg, torch.Generator().manual_seed(1))
+    return ckpt, hf_cfg, cfg, drafter, export_dflash(drafter, cfg, tmp_path / "untrained"), AutoModelForCausalLM
 
 
-def test_the_projects_engine_drafts_with_dflash_as_predicted_and_syncs_it_and_back(trained, ray_local):
+def test_the_projects_engine_drafts_with_dflash_as_predicted_and_syncs_it_and_back(tiny_cache, ray_local, tmp_path):
+    """The engine starts on the untrained drafter while the drafter trains here (one thread); then a sync to the
+    trained one, a sync back to the untrained one (== the cold load, the target untouched) and to the trained one
+    again; every serve lossless, its counters the simulation's."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from safetensors.torch import load_file
 
+    from skyrl_mtp.drafters.dflash_export import export_dflash
     from skyrl_mtp.rollout.client import EngineClient
     from skyrl_mtp.rollout.config import EngineConfig
     from skyrl_mtp.rollout.sampling import SamplingSpec
 
-    ckpt, eval_seqs = trained["ckpt"], trained["eval_seqs"]
+    ckpt, hf_cfg, cfg, drafter, untrained_export, auto_model = _prepare(tiny_cache, tmp_path)
+    engine_cfg = EngineConfig(model_path=str(ckpt), num_speculative_tokens=K, draft_model_path=str(untrained_export),
+                              draft_method="dflash", max_model_len=128, max_num_seqs=16,
+                              kv_cache_memory_bytes=32 * 2**20, engine_kwargs={"enable_prefix_caching": False})
+    threads = torch.get_num_threads()
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(EngineClient.create, engine_cfg)
+        torch.set_num_threads(1)
+        try:
+            model = auto_model.from_pretrained(ckpt, dtype=torch.float32).eval()
+            embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+            g = torch.Generator().manual_seed(0)
+            vocab = hf_cfg["vocab_size"]
+            aux_ids = tuple(i + 1 for i in cfg.target_layer_ids)
+            train_seqs = greedy_sequences(model, torch.randint(3, vocab, (TRAIN_ROWS, PROMPT), generator=g), NEW + K)
+            held_out = greedy_sequences(model, torch.randint(3, vocab, (HELD_OUT_ROWS, PROMPT), generator=g), NEW + K)
+            eval_seqs = torch.cat([train_seqs[:HELD_OUT_ROWS], held_out])
+            logits, aux = target_states(model, train_seqs, aux_ids)
+            _, eval_aux = target_states(model, eval_seqs, aux_ids)
+            untrained = predicted(drafter, eval_aux, eval_seqs, embed, lm_head)
+            first, last = train(drafter, aux, train_seqs, logits, embed, lm_head)
+            export = export_dflash(drafter, cfg, tmp_path / "dflash")
+            drafts, per_pos = predicted(drafter, eval_aux, eval_seqs, embed, lm_head)
+        finally:
+            torch.set_num_threads(threads)
+        client = starting.result()
     target = load_file(str(ckpt / "model.safetensors"))
-    weights = {d: load_file(str(trained[d] / "model.safetensors")) for d in ("export", "untrained_export")}
-    client = EngineClient.create(EngineConfig(model_path=str(ckpt), num_speculative_tokens=K,
-                                              draft_model_path=str(trained["export"]), draft_method="dflash",
-                                              max_model_len=128, max_num_seqs=16, kv_cache_memory_bytes=32 * 2**20,
-                                              engine_kwargs={"enable_prefix_caching": False}))
+    weights = {name: load_file(str(d / "model.safetensors")) for name, d in (("trained", export),
+                                                                             ("untrained", untrained_export))}
     greedy = SamplingSpec(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     prompts = eval_seqs[:, :PROMPT].tolist()
 
@@ -119,28 +125,27 @@ def test_the_projects_engine_drafts_with_dflash_as_predicted_and_syncs_it_and_ba
         assert client.sync_parts == ["main", "draft"]
         assert client.engine_infos[0]["dflash_patches"] in (["patched", "patched"], ["kernel_ok", "patched"])
         cold = client.weight_digests()[0]
-        tokens, m = serve()
-        client.sync_weights({**target, **weights["untrained_export"]})
-        after_untrained = client.weight_digests()[0]
         tokens_untrained, m_untrained = serve()
-        client.sync_weights({**target, **weights["export"]})
+        client.sync_weights({**target, **weights["trained"]})
+        trained_digests = client.weight_digests()[0]
+        tokens, m = serve()
+        client.sync_weights({**target, **weights["untrained"]})
         back = client.weight_digests()[0]
-        tokens_back, m_back = serve()
+        client.sync_weights({**target, **weights["trained"]})
+        tokens_again, m_again = serve()
     finally:
         client.shutdown()
-    first, last = trained["losses"]
-    drafts, per_pos, untrained = trained["drafts"], trained["per_pos"], trained["untrained"]
     print(f"DFlash k={K}: loss {first:.3f} -> {last:.3f}; vLLM drafts {m['rollout/train/num_drafts']:.0f}, "
           f"acceptance at position 1 {m['rollout/train/draft_acceptance_rate_pos_1']:.3f}; predicted {drafts}, "
           f"{per_pos}; untrained: vLLM {m_untrained['rollout/train/num_drafts']:.0f} drafts, predicted {untrained}")
     reference = eval_seqs[:, PROMPT:PROMPT + NEW].tolist()
-    for name, got in (("trained", tokens), ("untrained", tokens_untrained), ("back", tokens_back)):
+    for name, got in (("untrained", tokens_untrained), ("trained", tokens), ("trained again", tokens_again)):
         assert got == reference, (name, [i for i, (a, b) in enumerate(zip(got, reference)) if a != b])   # lossless
-    drafter = [n for n in cold if n.startswith("draft.") and ".embed_tokens." not in n and "lm_head" not in n]
-    assert drafter and any(after_untrained[n] != cold[n] for n in drafter)            # the sync reached the drafter
-    assert back == cold                                                               # == the cold load
-    assert all(after_untrained[n] == cold[n] for n in cold if n.startswith("model."))   # the target never changed
-    for measured, (n_drafts, accepted) in ((m, (drafts, per_pos)), (m_back, (drafts, per_pos)),
+    drafter_names = [n for n in cold if n.startswith("draft.") and ".embed_tokens." not in n and "lm_head" not in n]
+    assert drafter_names and any(trained_digests[n] != cold[n] for n in drafter_names)   # the sync reached it
+    assert back == cold                                                                   # == the cold load
+    assert all(trained_digests[n] == cold[n] for n in cold if n.startswith("model."))     # the target never changed
+    for measured, (n_drafts, accepted) in ((m, (drafts, per_pos)), (m_again, (drafts, per_pos)),
                                            (m_untrained, untrained)):
         assert abs(measured["rollout/train/num_drafts"] - n_drafts) <= 0.01 * n_drafts
         assert abs(measured["rollout/train/draft_acceptance_rate_pos_1"] - accepted[0] / n_drafts) <= 0.015
