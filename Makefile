@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import vllm, megatron.core, ray; print('setup ok: vllm', vllm.__version__, '| megatron-core', megatron.core.__version__, '| ray', ray.__version__)"
 	touch $(STAMP)
 
+# tests/unit on two pytest-xdist workers, then the rest of tests/ serially in one process (its session
+# fixtures share one Ray cluster and one tiny checkpoint).
 test: setup cpu-isa lint-imports
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -n 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --ignore=tests/unit $(PYTEST_ARGS)
 
 # The layering contracts of pyproject.toml ([tool.importlinter]): imports run downwards only, no cycles.
 lint-imports: setup
@@ -59,7 +62,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 test-unit: setup
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -n 2 $(PYTEST_ARGS)
 
 run: setup
 	$(BIN)/skyrl-mtp recipe=tiny_dapo $(ARGS)
