@@ -66,10 +66,6 @@ def drafter_checks(c: Checker) -> None:
     c.check("trainer.mtp.loss_position_fraction", lambda v: v == 1.0,
             "must be 1.0 with trainer.drafter.kind=dflash (trainer.drafter.anchors says how many blocks train)",
             when=dflash)
-    gpu = int(cfg.trainer.placement.gpus_per_policy_worker) > 0 or int(cfg.trainer.placement.gpus_per_engine) > 0
-    c.check("trainer.drafter.kind", lambda v: v != "dflash",
-            "must be 'mtp' or 'eagle3' on GPUs: the GPU memory plan does not count a DFlash drafter yet (dflash runs "
-            "on CPU)", when=gpu)
     untested = f"with trainer.drafter.kind={kind} (that combination is not tested yet)"
     c.check("trainer.mtp.enabled", bool, f"must be true with trainer.drafter.kind={kind} (the drafter is trained to "
                                          "draft; for no speculation set trainer.mtp.enabled=false and kind=mtp)",

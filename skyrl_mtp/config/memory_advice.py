@@ -81,13 +81,23 @@ def training_fixes(cfg: Any, hf_cfg: dict, phase: str, replan: Callable[..., Any
 
 
 def _drafter_fixes(cfg: Any) -> list[dict[str, Any]]:
-    """An EAGLE-3 drafter's loss grows with its unrolled passes (config/memory_drafter.py), which no policy setting
-    shrinks: fewer trained depths (each depth trains its own pass; the engines may still draft k)."""
-    from skyrl_mtp.config.memory_drafter import external_drafter_kind
+    """What shrinks an external drafter's part (config/memory_drafter.py), which no policy setting does: an
+    EAGLE-3 drafter's loss grows with its unrolled passes: fewer trained depths (each depth trains its own pass; the
+    engines may still draft k); a DFlash drafter's with its trained blocks (fewer anchors per row), its state with
+    its layers (fewer, unless it starts from an export of its own size, trainer.drafter.init)."""
+    from skyrl_mtp.config.memory_drafter import DFLASH, external_drafter_kind
     from skyrl_mtp.config.mtp_knob import train_depths
 
-    if external_drafter_kind(cfg) is None:
+    kind = external_drafter_kind(cfg)
+    if kind is None:
         return []
+    if kind == DFLASH:
+        d = cfg.trainer.drafter
+        anchors = [int(d.anchors) // 2**i for i in range(1, int(d.anchors).bit_length())]
+        out: list[dict[str, Any]] = [{"trainer.drafter.anchors": a} for a in anchors]
+        if d.init is None:
+            out += [{"trainer.drafter.num_layers": n} for n in range(int(d.num_layers) - 1, 0, -1)]
+        return out
     return [{"trainer.mtp.train_depths": d} for d in range(train_depths(cfg) - 1, 0, -1)]
 
 

@@ -1,20 +1,32 @@
-"""An external drafter's part of the GPU memory plan (trainer.drafter.kind=eagle3), per GPU.
+"""An external drafter's part of the GPU memory plan (trainer.drafter.kind=eagle3 or dflash), per GPU.
 
-Why a module of its own: an EAGLE-3 drafter is not part of the Megatron model, so none of memory_formulas' terms
-count it, and it is laid out unlike the policy: it lives beside the model on every policy rank in fp32 whatever the
-policy's dtype, whole on every tensor-parallel rank, with a torch AdamW of its own that data parallelism does not
-shard (policy/drafter_training.py Eagle3Training: ``TorchSideOptimizer(..., tp_group=None)``); its loss re-runs it
-over every position of a micro-batch after the policy's backward (mtp/eagle3_loss.py), its attention materialising
-[rows, heads, S, S] scores in fp32 (drafters/eagle3.py Eagle3Attention); and the engines serve it with one attention
-layer of KV cache of its own. The shapes are the target's (drafters/eagle3.py Eagle3Config.from_target: hidden size,
-MLP width, heads, kv heads, head dim), read here off the target's ModelShape.
+Why a module of its own: a drafter trained beside the policy is not part of the Megatron model, so none of
+memory_formulas' terms count it, and it is laid out unlike the policy: it lives beside the model on every policy rank
+in fp32 whatever the policy's dtype, whole on every tensor-parallel rank, with a torch AdamW of its own that data
+parallelism does not shard (policy/drafter_training.py ExternalDrafterTraining: ``TorchSideOptimizer(...,
+tp_group=None)``), and its loss runs after the policy's backward on the target's captured hidden states.
+
+EAGLE-3 (drafters/eagle3.py, mtp/eagle3_loss.py): one decoder layer re-run over every position of a micro-batch
+once per trained depth, its attention materialising [rows, heads, S, S] scores in fp32 (Eagle3Attention); the
+engines serve it with one attention layer of KV cache.
+
+DFlash (drafters/dflash.py, mtp/dflash_loss.py): ``num_layers`` decoder layers; its training form (block_hidden)
+runs one context pass over the whole sequence (fc, hidden_norm, each layer's context keys and values) and one query
+pass over ``anchors`` blocks of block_size slots, each query scoring every context position in fp32 ([rows, heads,
+anchors x block_size, S]: small beside EAGLE-3's [S, S]); the engines keep K/V of every drafter layer.
+
+The shapes are the target's (Eagle3Config / DFlashConfig.from_target: hidden size, MLP width, heads, kv heads, head
+dim), read here off the target's ModelShape; a DFlash drafter's layers, target layer ids, block and anchors come
+from trainer.drafter (dflash_settings).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 EAGLE3 = "eagle3"
+DFLASH = "dflash"
 # fp32 weights, their fp32 grads, AdamW's exp_avg and exp_avg_sq (fp32 params: no separate master copy); the
 # fused AdamW it steps with on GPUs (policy/megatron/optimizers.py build_optimizer) allocates no temporaries
 DRAFTER_STATE_BYTES = 16
@@ -106,3 +118,166 @@ def eagle3_engine_activation_bytes(shape: Any, *, batched: int, engine_bytes: in
     states of every scheduled token, kept through its forward, and their concatenation for the drafter's fc
     (v1/worker/gpu_model_runner.py: ``torch.cat([h[...] for h in aux_hidden_states], dim=-1)``)."""
     return 2 * NUM_AUX * batched * shape.hidden * engine_bytes
+
+
+# ---------------------------------------------------------------------------------------------- DFlash
+
+@dataclass(frozen=True)
+class DFlashSettings:
+    """What sizes a DFlash drafter and its loss beyond the target's shape: the values trainer/run_plan.py hands the
+    policy workers (drafter_num_layers, drafter_layer_ids, drafter_block_size, drafter_anchors)."""
+
+    layers: int     # decoder layers (trainer.drafter.num_layers); the engines keep K/V of each
+    n_ids: int      # target layers it reads: fc's input is n_ids x H
+    block: int      # slots of a block: the anchor and block - 1 mask slots
+    anchors: int    # blocks a row trains at most (trainer.drafter.anchors)
+
+
+def dflash_settings(cfg: Any, shape: Any) -> DFlashSettings:
+    """trainer.drafter's DFlash keys, defaults resolved as the workers resolve them: the layer ids of
+    drafters/dflash.py default_target_layer_ids (one per drafter layer), block_size k + 1 (run_plan.py)."""
+    from skyrl_mtp.config.mtp_knob import max_speculative_tokens
+    from skyrl_mtp.drafters.dflash import default_target_layer_ids
+
+    d = cfg.trainer.drafter
+    layers = int(d.num_layers)
+    ids = list(d.layer_ids) if d.layer_ids else default_target_layer_ids(shape.layers, layers)
+    block = int(d.block_size) if d.block_size is not None else max_speculative_tokens(cfg) + 1
+    return DFlashSettings(layers=layers, n_ids=len(ids), block=block, anchors=int(d.anchors))
+
+
+def dflash_params(shape: Any, s: DFlashSettings) -> tuple[int, int]:
+    """(parameters vLLM's tensor parallelism shards, parameters every rank holds whole) of the drafter
+    (drafters/dflash.py DFlashDrafter): per layer q_proj [a d, H], k_proj and v_proj [g d, H], o_proj [H, a d] and
+    the SwiGLU MLP's gate / up [F, H] and down [H, F] (vLLM's qwen3_dflash.py: QKVParallelLinear, RowParallelLinear,
+    Qwen3MLP); fc [H, n_ids H] (a ReplicatedLinear there), per layer q_norm / k_norm of d and input_layernorm /
+    post_attention_layernorm of H, hidden_norm and norm of H. No embedding or LM head: it shares the target's."""
+    h, a, g, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    sharded = s.layers * (h * (a + 2 * g) * d + a * d * h + 3 * h * f)
+    return sharded, s.n_ids * h * h + s.layers * (2 * h + 2 * d) + 2 * h
+
+
+def dflash_param_count(shape: Any, s: DFlashSettings) -> int:
+    return sum(dflash_params(shape, s))
+
+
+def dflash_context_elements(shape: Any, s: DFlashSettings) -> int:
+    """fp32 elements per sequence position the context pass (DFlashDrafter.context, context_kv) keeps for backward:
+    fc's output (hidden_norm's input), hidden_norm's normalised input and its output c (3H; c feeds every layer's
+    k_proj / v_proj); per layer k_norm's input and normalised input (2 g d) and the keys and values repeated to
+    every query head (2 a d), which the query pass's two matmuls keep. RoPE and repeat_interleave keep nothing of
+    that size."""
+    h, a, g, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+    return 3 * h + s.layers * (2 * g * d + 2 * a * d)
+
+
+def dflash_query_elements(shape: Any, s: DFlashSettings) -> int:
+    """fp32 elements per block slot the query pass (DFlashDrafter.forward) keeps for backward, per layer: the input
+    norm's input and normalised input (layer 0: the normalised only, its input is the detached embedding), its
+    output (q/k/v's input), the post-attention norm's input, normalised input and output (6H, 5H in layer 0); q_norm's
+    input and normalised input, the rotated q, the block's keys and values repeated to every head, the attention's
+    output (6 a d); k_norm's input and normalised input (2 g d); the MLP's gate, silu(gate), up and product (4F);
+    then the final norm's input, normalised input and output (3H, the output the loss reads). The scores:
+    dflash_attention_bytes."""
+    h, a, g, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    return s.layers * (6 * h + 6 * a * d + 2 * g * d + 4 * f) - h + 3 * h
+
+
+def dflash_attention_bytes(shape: Any, s: DFlashSettings, *, rows: int, seq: int, blocks: int) -> int:
+    """The query pass's scores (DFlashAttention.forward, fp32, every head on every TP rank), ``blocks`` blocks per
+    row of s.block queries: each layer keeps its softmax's output [rows, heads, blocks x block, S + block] (the
+    context's scores and the block's own) for backward; the last layer's forward holds two more at once (the masked
+    context scores and their concatenation with the block's), the backward two as well (the gradient of the
+    probabilities and the one the softmax's backward returns); and the context mask [rows, 1, blocks x block, S]
+    bool (block_hidden) with the negation each layer's masked_fill makes and keeps."""
+    queries = rows * blocks * s.block
+    scores = queries * shape.heads * (seq + s.block)
+    return (s.layers + 2) * scores * 4 + (s.layers + 1) * queries * seq
+
+
+def dflash_draft_loss_parts(shape: Any, s: DFlashSettings, *, rows: int, seq: int, response: int, chunk: int,
+                            tp: int, act_bytes: int) -> dict[str, int]:
+    """One micro-batch's DFlash draft loss after the policy's backward, by part (bytes); ``response``: a row's
+    trained tokens at most, which bound its anchors (mtp/dflash_loss.py choose_anchors: min(anchors, candidates)
+    per row, every row padded to the longest):
+    - captured states: the n_ids [S, B, H] layer inputs in the model dtype (mtp/layer_capture.py);
+    - drafter context: fc's input, concatenated in the model dtype and cast to fp32 (mtp/eagle3_loss.py concat_aux,
+      ``aux.to(dtype)``: n_ids H each), and the context pass over rows x S positions (dflash_context_elements);
+    - drafter blocks: the query pass over rows x anchors x block slots (dflash_query_elements);
+    - drafter attention: dflash_attention_bytes;
+    - draft loss: per slot the chunked loss through the target's output layer (as memory_formulas.
+      draft_loss_bytes, no replay): one slot's gathered teacher rows [rows x anchors, vocab / TP] and one chunk's
+      fp32 logits at a time, plus every mask slot's student rows in the model dtype and the gradient the chunked
+      loss keeps of them."""
+    from skyrl_mtp.config.memory_formulas import DRAFT_CHUNK_BYTES_PER_LOGIT
+
+    h, tokens, v = shape.hidden, rows * seq, shape.vocab // tp
+    blocks = max(min(s.anchors, response), 1)
+    trained = rows * blocks
+    return {
+        "captured states": s.n_ids * tokens * h * act_bytes,
+        "drafter context": s.n_ids * tokens * h * (act_bytes + 4) + tokens * dflash_context_elements(shape, s) * 4,
+        "drafter blocks": trained * s.block * dflash_query_elements(shape, s) * 4,
+        "drafter attention": dflash_attention_bytes(shape, s, rows=rows, seq=seq, blocks=blocks),
+        "draft loss": (trained * v * act_bytes + min(chunk, trained) * v * DRAFT_CHUNK_BYTES_PER_LOGIT
+                       + (s.block - 1) * trained * h * act_bytes * 2),
+    }
+
+
+def dflash_engine_weight_bytes(shape: Any, s: DFlashSettings, *, tp: int, engine_bytes: int) -> int:
+    """The drafter's weights on one GPU of an engine of TP ``tp``, in the engine's dtype (vLLM loads the export,
+    drafters/dflash_export.py, into qwen3_dflash.py's layers), and what DFlashQwen3Model._build_context_kv_buffers
+    copies of them for its one-GEMM context K/V (``torch.cat`` of every layer's k/v rows of qkv_proj: 2 x kv heads
+    on this rank x d x H per layer; ``torch.stack`` of the k_norm weights), and the mask_embedding parameter (H)."""
+    h, d = shape.hidden, shape.head_dim
+    sharded, replicated = dflash_params(shape, s)
+    fused = s.layers * (2 * max(shape.kv_heads // tp, 1) * d * h + d)
+    return (sharded // tp + replicated + fused + h) * engine_bytes
+
+
+def dflash_engine_activation_bytes(shape: Any, s: DFlashSettings, *, tp: int, batched: int, seqs: int, k: int,
+                                   engine_bytes: int) -> int:
+    """What an engine step holds for the drafter beyond one layer's activations, over every scheduled token: the
+    target's n_ids aux hidden states and their concatenation (gpu_model_runner.py), fc's output and its hidden_norm
+    (qwen3_dflash.py _project_context_kv), and the context K/V of every drafter layer twice at once (the fused
+    GEMM's output and the layer-major ``permute(...).contiguous()`` copy of it); and the draft logits of every
+    running sequence's k mask slots at once (parallel drafting: v1/spec_decode/llm_base_proposer.py
+    _sample_draft_tokens over the target's whole vocabulary)."""
+    kv = s.layers * max(shape.kv_heads // tp, 1) * shape.head_dim
+    context = batched * (2 * s.n_ids * shape.hidden + 2 * shape.hidden + 4 * kv)
+    return (context + seqs * k * shape.vocab) * engine_bytes
+
+
+# ---------------------------------------------------------------------------------------------- either kind
+
+def drafter_param_count(shape: Any, cfg: Any) -> int:
+    """Parameters of the run's external drafter (external_drafter_kind)."""
+    if external_drafter_kind(cfg) == DFLASH:
+        return dflash_param_count(shape, dflash_settings(cfg, shape))
+    return eagle3_param_count(shape)
+
+
+def drafter_draft_loss_parts(shape: Any, cfg: Any, *, rows: int, seq: int, draft_tokens: int, chunk: int, tp: int,
+                             act_bytes: int) -> dict[str, int]:
+    """The external drafter's draft loss by part; ``draft_tokens``: the micro-batch's trained tokens at most."""
+    if external_drafter_kind(cfg) == DFLASH:
+        return dflash_draft_loss_parts(shape, dflash_settings(cfg, shape), rows=rows, seq=seq,
+                                       response=draft_tokens // rows, chunk=chunk, tp=tp, act_bytes=act_bytes)
+    from skyrl_mtp.config.mtp_knob import train_depths
+
+    return eagle3_draft_loss_parts(shape, rows=rows, seq=seq, depths=train_depths(cfg), draft_tokens=draft_tokens,
+                                   chunk=chunk, tp=tp, act_bytes=act_bytes)
+
+
+def drafter_engine(shape: Any, cfg: Any, *, tp: int, batched: int, seqs: int, k: int,
+                   engine_bytes: int) -> tuple[int, int, int]:
+    """(weights bytes, attention layers of KV cache, step activation bytes) of the external drafter on one GPU of
+    an engine drafting k tokens for up to ``seqs`` sequences: EAGLE-3 has one layer, DFlash one per drafter layer
+    (vLLM writes every layer's context K/V)."""
+    if external_drafter_kind(cfg) == DFLASH:
+        s = dflash_settings(cfg, shape)
+        return (dflash_engine_weight_bytes(shape, s, tp=tp, engine_bytes=engine_bytes), s.layers,
+                dflash_engine_activation_bytes(shape, s, tp=tp, batched=batched, seqs=seqs, k=k,
+                                               engine_bytes=engine_bytes))
+    return (eagle3_engine_weight_bytes(shape, tp=tp, engine_bytes=engine_bytes), 1,
+            eagle3_engine_activation_bytes(shape, batched=batched, engine_bytes=engine_bytes))

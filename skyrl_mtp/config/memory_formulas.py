@@ -115,7 +115,8 @@ def draft_loss_bytes(shape: Any, *, draft_tokens: int, chunk: int, tp: int, act_
 
 def kv_bytes_per_token(shape: Any, *, tp: int, kv_bytes: int, drafter_layers: int = 0) -> int:
     """K and V of every attention layer for one token, on one GPU of an engine: the target's and the drafter's
-    ``drafter_layers`` (its MTP layers, or an EAGLE-3 drafter's one layer: the target's kv heads and head dim)."""
+    ``drafter_layers`` (its MTP layers, an EAGLE-3 drafter's one layer or a DFlash drafter's layers: the target's kv
+    heads and head dim)."""
     layers = shape.attention_layers + drafter_layers
     if shape.kv_cache_width:
         return layers * shape.kv_cache_width * kv_bytes

@@ -12,19 +12,20 @@ trained beside the policy, config/memory_drafter.py, each citing the megatron-co
 checked by hand and against eight rows measured on an H200 in tests/unit/cluster/test_memory_plan.py):
 - policy (Megatron, TP x DP): bf16 weights, fp32 grad buffer (DDP grad_reduce_in_fp32), distributed optimizer
   (fp32 master copy + Adam's two moments, sharded over DP), for the policy and, separately, the MTP head; an
-  EAGLE-3 drafter's fp32 weights, grads and AdamW moments, whole on every rank;
+  EAGLE-3 or DFlash drafter's fp32 weights, grads and AdamW moments, whole on every rank;
 - a training step in three phases, each on top of that state: forward and backward (a micro-batch's saved
   activations, with or without full recompute, one attention layer's backward and the logits), the draft loss
-  (after the policy's backward: the logits and the MTP head's replay, or the EAGLE-3 drafter's captured states,
-  unrolled passes and fp32 attention scores), the optimizer step (torch's foreach AdamW allocates an fp32
+  (after the policy's backward: the logits and the MTP head's replay, or an external drafter's captured states,
+  passes and fp32 attention scores: EAGLE-3's unrolled passes over every position, DFlash's context pass and its
+  query pass over the trained blocks), the optimizer step (torch's foreach AdamW allocates an fp32
   temporary of every parameter; the fused kernels none). The attention that runs
   (megatron.layer_impl): the local spec keeps the [S, S] softmax (fp32) and its bf16 copy per head, writes the raw
   scores into a global buffer that outlives the step, and its backward holds fp32 gradients of one layer's scores;
   SDPA's and Transformer Engine's kernels keep q, k, v and the output only. The policy's forward does not run the
   MTP layers (mtp/native_loss_patch.py); the draft loss replays them;
-- the engine (per GPU of an engine): weights, drafter (MTP layers, or EAGLE-3's layer and the aux states it
-  reads), KV cache (generator.kv_cache_memory_mb) and how many tokens it holds (the drafter's layers' K and V too),
-  activations of a max_num_batched_tokens step, CUDA graphs, vLLM's gpu_memory_utilization;
+- the engine (per GPU of an engine): weights, drafter (MTP layers, or EAGLE-3's / DFlash's layers and the aux
+  states they read), KV cache (generator.kv_cache_memory_mb) and how many tokens it holds (the drafter's layers' K
+  and V too), activations of a max_num_batched_tokens step, CUDA graphs, vLLM's gpu_memory_utilization;
 - fixed allowances per process (CUDA context, NCCL: outside torch's allocator), the cuBLAS workspaces torch's
   allocator counts, and a 5% headroom for fragmentation (what the allocator reserves beyond what it hands out:
   benchmarks/train_step_gpu.py reports torch.cuda.max_memory_reserved next to max_memory_allocated).
@@ -40,10 +41,9 @@ from skyrl_mtp.config.memory_advice import fmt_bytes, plan_problems
 from skyrl_mtp.config.memory_drafter import (
     DRAFTER_STATE_BYTES,
     DRAFTER_WEIGHT_BYTES,
-    eagle3_draft_loss_parts,
-    eagle3_engine_activation_bytes,
-    eagle3_engine_weight_bytes,
-    eagle3_param_count,
+    drafter_draft_loss_parts,
+    drafter_engine,
+    drafter_param_count,
     external_drafter_kind,
 )
 from skyrl_mtp.config.memory_formulas import (  # noqa: F401 - the plan's numbers, importable from here as before
@@ -90,8 +90,8 @@ class PolicyMemory:
     optimizer_step: int = 0         # the optimizer step's temporaries (foreach AdamW), the larger side's
     workspaces: int = WORKSPACES
     overhead: int = POLICY_OVERHEAD
-    # a drafter trained beside the model (EAGLE-3): its fp32 weights, grads and AdamW moments, whole on every rank;
-    # of them the weights (there from the start); its draft loss by part (they sum to draft_loss)
+    # a drafter trained beside the model (EAGLE-3, DFlash): its fp32 weights, grads and AdamW moments, whole on every
+    # rank; of them the weights (there from the start); its draft loss by part (they sum to draft_loss)
     drafter: int = 0
     drafter_weights: int = 0
     draft_parts: tuple[tuple[str, int], ...] = ()
@@ -244,9 +244,9 @@ def _stage_memory(shape: Any, cfg: Any, *, flash: bool, head: bool, in_flight: i
         draft = draft_loss_bytes(shape, draft_tokens=draft_tokens, chunk=chunk, tp=tp, act_bytes=pbytes, depths=depths,
                                  rows=rows, seq=seq, flash=flash)
     elif external and in_flight == 1:   # beside the model, on the (only) stage, the one with the logits
-        drafter = eagle3_param_count(shape)
-        parts = eagle3_draft_loss_parts(shape, rows=rows, seq=seq, depths=train_depths(cfg), draft_tokens=draft_tokens,
-                                        chunk=chunk, tp=tp, act_bytes=pbytes)
+        drafter = drafter_param_count(shape, cfg)
+        parts = drafter_draft_loss_parts(shape, cfg, rows=rows, seq=seq, draft_tokens=draft_tokens, chunk=chunk, tp=tp,
+                                         act_bytes=pbytes)
         draft = sum(parts.values())
     # the output layer's logits live on the stage that holds it (the last, or the only one)
     logits = logits_bytes(shape, tokens=rows * seq, tp=tp, act_bytes=pbytes) if in_flight == 1 else 0
@@ -296,9 +296,10 @@ def engine_memory(shape: Any, cfg: Any) -> EngineMemory:
     # every running sequence's k + 1 verified positions over the whole vocabulary
     act = batched * (4 * shape.hidden + 3 * shape.intermediate // tp) * ebytes + seqs * (k + 1) * shape.vocab * 4 * 2
     drafter, drafter_layers = 0, 0
-    if k > 0 and external_drafter_kind(cfg) is not None:   # EAGLE-3: one layer, and the target's aux states
-        drafter, drafter_layers = eagle3_engine_weight_bytes(shape, tp=tp, engine_bytes=ebytes), 1
-        act += eagle3_engine_activation_bytes(shape, batched=batched, engine_bytes=ebytes)
+    if k > 0 and external_drafter_kind(cfg) is not None:   # its layers, and the target's aux states it reads
+        drafter, drafter_layers, drafter_act = drafter_engine(shape, cfg, tp=tp, batched=batched, seqs=seqs, k=k,
+                                                              engine_bytes=ebytes)
+        act += drafter_act
     elif k > 0 and shape.mtp_layers > 0:
         drafter = ((shape.mtp_params_sharded + shape.mtp_expert_params) // tp + shape.mtp_params_replicated) * ebytes
         drafter_layers = shape.mtp_layers

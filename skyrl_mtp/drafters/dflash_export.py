@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from skyrl_mtp.drafters.dflash import DFlashConfig, DFlashDrafter
+from skyrl_mtp.drafters.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
@@ -119,8 +119,9 @@ def export_dflash(drafter: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path
     return out
 
 
-def config_from_export(hf_config: dict) -> DFlashConfig:
-    """The DFlashConfig an exported config.json describes."""
+def config_from_export(hf_config: dict, target_num_layers: int | None = None) -> DFlashConfig:
+    """The DFlashConfig an exported config.json describes; a published drafter's config.json names no target layer
+    count of ours (``OWN_KEY``): ``num_target_layers`` where it has one, else ``target_num_layers`` (the target's)."""
     dflash = hf_config["dflash_config"]
     return DFlashConfig(
         hidden_size=hf_config["hidden_size"],
@@ -132,18 +133,20 @@ def config_from_export(hf_config: dict) -> DFlashConfig:
         rope_theta=float(hf_config["rope_theta"]),
         vocab_size=hf_config["vocab_size"],
         max_position_embeddings=hf_config["max_position_embeddings"],
-        target_num_layers=hf_config[OWN_KEY]["target_num_layers"],
+        target_num_layers=int((hf_config.get(OWN_KEY) or {}).get("target_num_layers")
+                              or hf_config.get("num_target_layers") or target_num_layers),
         target_layer_ids=tuple(dflash["target_layer_ids"]),
         num_layers=hf_config["num_hidden_layers"],
-        block_size=hf_config["block_size"],
+        block_size=int(hf_config.get("block_size") or DEFAULT_BLOCK_SIZE),
         mask_token_id=dflash["mask_token_id"],
     )
 
 
-def load_dflash(path: str | Path) -> tuple[DFlashDrafter, DFlashConfig]:
-    """The drafter and config ``export_dflash`` wrote to ``path`` (weights in their saved dtype)."""
+def load_dflash(path: str | Path, target_num_layers: int | None = None) -> tuple[DFlashDrafter, DFlashConfig]:
+    """The drafter and config ``export_dflash`` (or a published drafter's checkpoint in vLLM's layout, given its
+    target's layer count) wrote to ``path`` (weights in their saved dtype)."""
     path = Path(path)
-    cfg = config_from_export(json.loads((path / "config.json").read_text()))
+    cfg = config_from_export(json.loads((path / "config.json").read_text()), target_num_layers)
     state = load_file(str(path / WEIGHTS))
     drafter = DFlashDrafter(cfg).to(next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)

@@ -129,13 +129,17 @@ class DFlashTraining(ExternalDrafterTraining):
         from skyrl_mtp.drafters.dflash import DFlashConfig, DFlashDrafter
 
         ids = None if cfg.drafter_layer_ids is None else tuple(i - 1 for i in cfg.drafter_layer_ids)
-        want = DFlashConfig.from_target(target, ids, num_layers=cfg.drafter_num_layers,
-                                        block_size=cfg.drafter_block_size, mask_token_id=cfg.drafter_mask_token_id)
-        if cfg.drafter_init is None:
-            return DFlashDrafter(want, torch.Generator().manual_seed(cfg.seed)), want
-        from skyrl_mtp.drafters.dflash_export import load_dflash
+        mask, loaded = cfg.drafter_mask_token_id, None
+        if cfg.drafter_init is not None:   # its layers and mask token unless the run names others
+            from skyrl_mtp.drafters.dflash_export import load_dflash
 
-        drafter, loaded = load_dflash(cfg.drafter_init)
+            drafter, loaded = load_dflash(cfg.drafter_init, int(target["num_hidden_layers"]))
+            ids = loaded.target_layer_ids if ids is None else ids
+            mask = loaded.mask_token_id if mask is None else mask
+        want = DFlashConfig.from_target(target, ids, num_layers=cfg.drafter_num_layers,
+                                        block_size=cfg.drafter_block_size, mask_token_id=mask)
+        if loaded is None:
+            return DFlashDrafter(want, torch.Generator().manual_seed(cfg.seed)), want
         _check_fits(loaded, want, cfg.drafter_init)
         return drafter.float(), want
 

@@ -1,4 +1,5 @@
-"""HF config.json contents of the EAGLE-3 recipes' target models, for the memory plan (sizes only, no weights).
+"""HF config.json contents of the EAGLE-3 and DFlash recipes' target models, for the memory plan (sizes only, no
+weights).
 
 Llama-3.1-8B(-Instruct): hidden 4096, 32 layers, 32 heads, 8 KV heads (head dim 128), SwiGLU 14336, vocabulary
 128256, untied LM head, Llama 3 RoPE scaling (factor 8), no MTP layers (meta-llama's config.json).
@@ -27,3 +28,4 @@ QWEN3_8B = {
 }
 
 FOR_EAGLE3_RECIPE = {"llama3_1_8b_eagle3_dapo": LLAMA_3_1_8B, "qwen3_8b_eagle3_dapo": QWEN3_8B}
+FOR_DFLASH_RECIPE = {"qwen3_8b_dflash_dapo": QWEN3_8B}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from eagle3_target_configs import FOR_EAGLE3_RECIPE
+from eagle3_target_configs import FOR_DFLASH_RECIPE, FOR_EAGLE3_RECIPE
 from model_configs import FOR_RECIPE as HEADLINE_MODELS
 from model_configs import write_config
 
@@ -18,8 +18,9 @@ from skyrl_mtp.config.validation import REQUIRED_PREFIX
 from skyrl_mtp.trainer.run_plan import placement_plan
 
 REPO = Path(__file__).resolve().parents[3]
-FOR_RECIPE = {**HEADLINE_MODELS, **FOR_EAGLE3_RECIPE}   # each recipe's model's config.json
+FOR_RECIPE = {**HEADLINE_MODELS, **FOR_EAGLE3_RECIPE, **FOR_DFLASH_RECIPE}   # each recipe's model's config.json
 EAGLE3_RECIPES = sorted(FOR_EAGLE3_RECIPE)
+DFLASH_RECIPES = sorted(FOR_DFLASH_RECIPE)
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 
 
@@ -67,7 +68,7 @@ def user_overrides(recipe: str, tmp: Path) -> list[str]:
 def test_the_gpu_recipes_name_their_layers_and_the_plan_counts_them_wherever_they_are_submitted(tmp_path):
     # the plan reads megatron.layer_impl, not what the submitting machine has installed (this one has no TE)
     for name in ("mimo7b_dapo", "mimo7b_searchr1", "qwen3_5_9b_dapo", "qwen3_5_27b_dapo", "qwen3next_dapo",
-                 "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo", *EAGLE3_RECIPES):
+                 "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo", *EAGLE3_RECIPES, *DFLASH_RECIPES):
         cfg = load_config([f"recipe={name}", *user_overrides(name, tmp_path / name)])
         assert cfg.megatron.layer_impl == "transformer_engine", name
 
@@ -82,7 +83,8 @@ def test_with_the_local_layers_the_headline_recipe_is_refused_with_a_setting_tha
 
 def test_the_cluster_recipes_exist():
     assert {"tiny_dapo", "mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "glm4_5_air_dapo",
-            "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo", "llama3_1_8b_eagle3_dapo", "qwen3_8b_eagle3_dapo"} <= set(RECIPES)
+            "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo", "llama3_1_8b_eagle3_dapo", "qwen3_8b_eagle3_dapo",
+            "qwen3_8b_dflash_dapo"} <= set(RECIPES)
 
 
 RUNNABLE = RECIPES
@@ -118,7 +120,8 @@ def test_recipe_validates_with_user_paths(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["mimo7b_dapo", "mimo7b_searchr1", "qwen3next_dapo", "qwen3_5_9b_dapo",
-                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo", *EAGLE3_RECIPES])
+                                    "glm4_5_air_dapo", "qwen3_5_27b_dapo", "qwen3_5_35b_a3b_dapo", *EAGLE3_RECIPES,
+                                    *DFLASH_RECIPES])
 def test_unset_user_paths_are_named(recipe):
     with pytest.raises(ConfigError) as info:
         load_config([f"recipe={recipe}"])
@@ -146,6 +149,7 @@ HARDWARE = [
     ("qwen3_5_35b_a3b_dapo", [{"CPU": 32.0, "GPU": 8.0}] * 2, 16, 2),
     ("llama3_1_8b_eagle3_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
     ("qwen3_8b_eagle3_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 3),
+    ("qwen3_8b_dflash_dapo", [{"CPU": 32.0, "GPU": 8.0}], 8, 7),
 ]
 
 MOE_MODELS = {r: FOR_RECIPE[r] for r in ("qwen3next_dapo", "glm4_5_air_dapo", "qwen3_5_35b_a3b_dapo")}   # the released models' shapes
@@ -214,6 +218,29 @@ def test_eagle3_recipes_train_the_drafter_beside_the_policy_and_fit_without_offl
     assert plan.policy.step_peak[0] == "draft loss" and plan.engine.drafter > 0
     assert not plan.offload_while_engines_awake and not plan.problems
     assert plan.peak[1] < 0.92 * plan.usable                  # ~6 GB (qwen3) to ~10 GB (llama) of margin
+
+
+@pytest.mark.parametrize("recipe", DFLASH_RECIPES)
+def test_dflash_recipes_train_the_drafter_beside_the_policy_and_fit_without_offload(recipe, tmp_path):
+    """The policy workers train a DFlash drafter (no MTP layers) whose block holds every draft the engines make, and
+    the plan fits with the policy's grads and optimizer state on the GPU while the engines are awake, the drafter's
+    state whole on every rank and its layers' K/V in every engine's cache."""
+    from skyrl_mtp.config.memory_drafter import dflash_param_count, dflash_settings
+    from skyrl_mtp.config.memory_plan import memory_plan, model_shape
+    from skyrl_mtp.trainer.run_plan import engine_config, policy_worker_config
+
+    cfg = load_config([f"recipe={recipe}", *user_overrides(recipe, tmp_path)])
+    worker = policy_worker_config(cfg)
+    assert worker.drafter_kind == "dflash" and not worker.mtp_enabled and worker.mtp_num_layers == 0
+    k = engine_config(cfg, tmp_path).num_speculative_tokens
+    assert worker.drafter_block_size == k + 1 == 8 and worker.drafter_num_layers == 2
+    hf = FOR_RECIPE[recipe]
+    shape = model_shape(cfg, hf)
+    plan = memory_plan(cfg, hf)
+    assert plan.policy.drafter == 16 * dflash_param_count(shape, dflash_settings(cfg, shape)) > 6e9
+    assert plan.policy.draft_loss > 0 and plan.engine.drafter > 0
+    assert not plan.offload_while_engines_awake and not plan.problems
+    assert plan.peak[1] < 0.92 * plan.usable
 
 
 # the recipes of models too large for one pipeline stage per GPU group: (recipe, policy pp, engine pp)

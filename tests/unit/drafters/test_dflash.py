@@ -197,3 +197,21 @@ def test_export_round_trip_and_checks(tmp_path):
                                                                               "causal": True})))
     with pytest.raises(ValueError, match="sets causal"):
         check_dflash_export(out, QWEN3)
+
+
+def test_a_published_drafters_config_without_our_key_loads_with_the_targets_layer_count(tmp_path):
+    """A DFlash checkpoint in vLLM's layout that was not written here names no target layer count of ours."""
+
+    from skyrl_mtp.drafters.dflash import DFlashConfig, DFlashDrafter
+    from skyrl_mtp.drafters.dflash_export import OWN_KEY, export_dflash, load_dflash
+
+    target = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 128, "max_position_embeddings": 256}
+    cfg = DFlashConfig.from_target(target, num_layers=2, block_size=4)
+    out = export_dflash(DFlashDrafter(cfg, torch.Generator().manual_seed(0)), cfg, tmp_path / "d")
+    published = json.loads((out / "config.json").read_text())
+    del published[OWN_KEY]
+    (out / "config.json").write_text(json.dumps(published))
+    _, loaded = load_dflash(out, target_num_layers=4)
+    assert loaded == cfg
