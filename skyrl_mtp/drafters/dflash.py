@@ -60,10 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from skyrl_mtp.drafters.eagle3 import RMSNorm, rotate
+from skyrl_mtp.drafters.eagle3 import RMSNorm, SwiGLU, init_drafter_weights, rotate
 from skyrl_mtp.errors import ConfigError, problem
 
-INIT_STD = 0.02
 DEFAULT_BLOCK_SIZE = 8
 
 
@@ -240,17 +239,6 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     """vLLM's DFlashQwen3DecoderLayer (checkpoint prefix ``layers.{i}.``)."""
 
@@ -259,7 +247,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DFlashMLP(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
 
 class DFlashDrafter(nn.Module):
@@ -275,13 +263,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters(generator)
 
-    @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, INIT_STD, generator=generator)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        init_drafter_weights(self, generator)
 
     def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """``hidden_norm(fc(aux))`` [B, C, H]: vLLM's combine_hidden_states, then _project_context_kv's norm."""

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from skyrl_mtp.drafters.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
 
@@ -110,13 +110,9 @@ def dflash_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.float32) -> d
 
 def export_dflash(drafter: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors for vLLM into ``out_dir``; returns it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    dtype = next(iter(state.values())).dtype
-    (out / "config.json").write_text(json.dumps(dflash_hf_config(cfg, dtype), indent=2))
-    save_file(state, str(out / WEIGHTS))
-    return out
+    from skyrl_mtp.drafters.eagle3_export import write_export
+
+    return write_export(drafter, lambda dtype: dflash_hf_config(cfg, dtype), out_dir)
 
 
 def config_from_export(hf_config: dict, target_num_layers: int | None = None) -> DFlashConfig:

@@ -250,15 +250,27 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
+class SwiGLU(nn.Module):
+    """The drafters' MLP (vLLM's LlamaMLP / Qwen3MLP): ``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@torch.no_grad()
+def init_drafter_weights(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    """Every linear weight ~ N(0, INIT_STD^2) from ``generator``, every RMSNorm scale 1 (the drafters have no biases)."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, INIT_STD, generator=generator)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
 
 
 class Eagle3Midlayer(nn.Module):
@@ -271,7 +283,7 @@ class Eagle3Midlayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
 
 class Eagle3Output(NamedTuple):
@@ -291,13 +303,8 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters(generator)
 
-    @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, INIT_STD, generator=generator)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        init_drafter_weights(self, generator)
 
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """vLLM's ``combine_hidden_states``: fc over the three captured states, concatenated in id order."""

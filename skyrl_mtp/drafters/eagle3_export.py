@@ -91,15 +91,20 @@ def eagle3_hf_config(cfg: Eagle3Config, dtype: torch.dtype = torch.float32) -> d
     }
 
 
-def export_eagle3(drafter: Eagle3Drafter, cfg: Eagle3Config, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors for vLLM into ``out_dir``; returns it."""
+def write_export(drafter: torch.nn.Module, hf_config_of, out_dir: str | Path) -> Path:
+    """A drafter as vLLM loads it: ``hf_config_of(dtype)`` as config.json, the module's state_dict as
+    model.safetensors, in ``out_dir``; returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    dtype = next(iter(state.values())).dtype
-    (out / "config.json").write_text(json.dumps(eagle3_hf_config(cfg, dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config_of(next(iter(state.values())).dtype), indent=2))
     save_file(state, str(out / WEIGHTS))
     return out
+
+
+def export_eagle3(drafter: Eagle3Drafter, cfg: Eagle3Config, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors for vLLM into ``out_dir``; returns it."""
+    return write_export(drafter, lambda dtype: eagle3_hf_config(cfg, dtype), out_dir)
 
 
 def config_from_export(hf_config: dict) -> Eagle3Config:

@@ -18,9 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from skyrl_mtp.mtp.draft_head import DraftLossSpec, DraftResult, depth_weights
+from skyrl_mtp.mtp.draft_head import (
+    DepthSums,
+    DraftLossSpec,
+    DraftResult,
+    depth_weights,
+    projected_draft_loss,
+)
 from skyrl_mtp.mtp.eagle3_loss import _to_vocab_shards, concat_aux
 from skyrl_mtp.mtp.layer_capture import CapturedLayerStates
 
@@ -87,7 +92,7 @@ def compute_dflash_loss(drafter, captured: CapturedLayerStates, policy_logits: t
     """Draft loss of every slot of the chosen blocks; arguments as eagle3_loss.compute_eagle3_loss, plus
     ``max_anchors`` (blocks per row)."""
     from skyrl_mtp.drafters.dflash import block_hidden
-    from skyrl_mtp.mtp.draft_losses import chunk_tokens, chunked_draft_loss, draft_loss
+    from skyrl_mtp.mtp.draft_losses import chunk_tokens
 
     tp_group, tp_rank, tp_size = tp
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
@@ -108,20 +113,12 @@ def compute_dflash_loss(drafter, captured: CapturedLayerStates, policy_logits: t
     out = block_hidden(drafter, aux.to(dtype), input_ids, detached_embed, anchors,
                        positions=batch.get("position_ids"), segment_ids=segment_ids)   # [B, N, bs, H]
     teacher_all, weight = policy_logits.detach(), output_weight.detach()
-    total, count, per_depth = None, None, []
+    sums = DepthSums()
     for j, w in enumerate(depth_weights(bs - 1, spec.depth_decay), start=1):
         rows, blocks = slot_positions(loss_mask, segment_ids, anchors, valid, j)
         at = anchors[rows, blocks] + j
         teacher = teacher_all[rows, at - 1]        # the policy's distribution of token a + j
         target = input_ids[rows, at]
         student = _to_vocab_shards(out[rows, blocks, j].to(weight.dtype), tp_size)
-        ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        if chunk > 0:
-            res = chunked_draft_loss(student, weight, teacher, ok, chunk_size=chunk, target_ids=target, **kwargs)
-        else:
-            res = draft_loss(F.linear(student, weight), teacher, ok, target_ids=target, **kwargs)
-        loss_sum, num_tokens = res.loss_sum * w, res.num_tokens * w
-        total = loss_sum if total is None else total + loss_sum
-        count = num_tokens if count is None else count + num_tokens
-        per_depth.append((float(res.loss_sum.detach()), float(res.num_tokens), float(res.top1_agree)))
-    return DraftResult(total, count, per_depth)
+        sums.add(projected_draft_loss(student, weight, teacher, target, chunk, **kwargs), w)
+    return sums.result()

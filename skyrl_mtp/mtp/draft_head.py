@@ -153,6 +153,35 @@ def draft_logits(model, mtp_hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(h, output_weight(model).detach()).transpose(0, 1)
 
 
+def projected_draft_loss(student_hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor,
+                         target: torch.Tensor, chunk: int, **kwargs):
+    """The draft loss (draft_losses.py) of [N, H] student hidden states projected through ``weight`` [V_local, H]
+    against ``teacher`` [N, V_local] and the sampled ``target`` [N]: chunk by chunk when ``chunk`` > 0."""
+    from skyrl_mtp.mtp.draft_losses import chunked_draft_loss, draft_loss
+
+    valid = torch.ones(student_hidden.shape[0], dtype=torch.bool, device=student_hidden.device)
+    if chunk > 0:
+        return chunked_draft_loss(student_hidden, weight, teacher, valid, chunk_size=chunk, target_ids=target, **kwargs)
+    return draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)
+
+
+class DepthSums:
+    """Depth by depth: the weighted loss and token sums of a DraftResult, and each depth's unweighted stats."""
+
+    def __init__(self):
+        self.total = self.count = None
+        self.per_depth: list[tuple[float, float, float]] = []
+
+    def add(self, out, weight: float) -> None:
+        loss_sum, num_tokens = out.loss_sum * weight, out.num_tokens * weight   # x * 1.0 is exact
+        self.total = loss_sum if self.total is None else self.total + loss_sum
+        self.count = num_tokens if self.count is None else self.count + num_tokens
+        self.per_depth.append((float(out.loss_sum.detach()), float(out.num_tokens), float(out.top1_agree)))
+
+    def result(self) -> DraftResult:
+        return DraftResult(self.total, self.count, self.per_depth)
+
+
 def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.Tensor, batch: dict,
                        spec: DraftLossSpec, vocab_size: int) -> DraftResult:
     """Draft loss of depths 1..num_depths; ``policy_logits`` [B, S, V_local] is the teacher (detached here).
@@ -164,7 +193,7 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    from skyrl_mtp.mtp.draft_losses import chunk_tokens, chunked_draft_loss, draft_loss
+    from skyrl_mtp.mtp.draft_losses import chunk_tokens
 
     tp_group, tp_rank, tp_size = _tp_info()
     v_local = policy_logits.shape[-1]
@@ -176,20 +205,11 @@ def compute_draft_loss(model, captured: CapturedMTPInputs, policy_logits: torch.
     hidden = replay_mtp_hidden(model, captured, input_ids, batch["position_ids"], spec.num_depths, runner=spec.runner)
     teacher_all = policy_logits.detach()
     weight = output_weight(model).detach()
-    total, count, per_depth = None, None, []
+    sums = DepthSums()
     for d, (h, w) in enumerate(zip(hidden, depth_weights(spec.num_depths, spec.depth_decay)), start=1):
         rows, cols = draft_positions(loss_mask, d, segment_ids, input_ids, spec.position_fraction)
         teacher = teacher_all[rows, cols + d]  # the policy's next-token logits at t + d: [n, V_local]
         target = input_ids[rows, cols + 1 + d]  # the sampled token the head predicts
         student_hidden = copy_to_tensor_model_parallel_region(h[cols, rows])  # h is [S, B, H]
-        valid = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        if chunk > 0:
-            out = chunked_draft_loss(student_hidden, weight, teacher, valid, chunk_size=chunk,
-                                     target_ids=target, **kwargs)
-        else:
-            out = draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)
-        loss_sum, num_tokens = out.loss_sum * w, out.num_tokens * w   # x * 1.0 is exact: equal weights change nothing
-        total = loss_sum if total is None else total + loss_sum
-        count = num_tokens if count is None else count + num_tokens
-        per_depth.append((float(out.loss_sum.detach()), float(out.num_tokens), float(out.top1_agree)))
-    return DraftResult(total, count, per_depth)
+        sums.add(projected_draft_loss(student_hidden, weight, teacher, target, chunk, **kwargs), w)
+    return sums.result()

@@ -19,9 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from skyrl_mtp.mtp.draft_head import DraftLossSpec, DraftResult, depth_weights, draft_positions
+from skyrl_mtp.mtp.draft_head import (
+    DepthSums,
+    DraftLossSpec,
+    DraftResult,
+    depth_weights,
+    draft_positions,
+    projected_draft_loss,
+)
 from skyrl_mtp.mtp.layer_capture import CapturedLayerStates
 
 
@@ -49,7 +55,7 @@ def compute_eagle3_loss(drafter, captured: CapturedLayerStates, policy_logits: t
     size) of tensor parallelism (the vocab shards; the drafter itself is replicated on every TP rank).
     """
     from skyrl_mtp.drafters.eagle3 import unroll
-    from skyrl_mtp.mtp.draft_losses import chunk_tokens, chunked_draft_loss, draft_loss
+    from skyrl_mtp.mtp.draft_losses import chunk_tokens
 
     tp_group, tp_rank, tp_size = tp
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
@@ -72,23 +78,14 @@ def compute_eagle3_loss(drafter, captured: CapturedLayerStates, policy_logits: t
     outs = unroll(drafter, aux.to(dtype), input_ids, detached_embed, spec.num_depths,
                   positions=batch.get("position_ids"), segment_ids=segment_ids)
     teacher_all, weight = policy_logits.detach(), output_weight.detach()
-    total, count, per_depth = None, None, []
+    sums = DepthSums()
     for d, (out, w) in enumerate(zip(outs, depth_weights(spec.num_depths, spec.depth_decay)), start=1):
         rows, cols = draft_positions(loss_mask, d, segment_ids, input_ids, spec.position_fraction)
         teacher = teacher_all[rows, cols + d]
         target = input_ids[rows, cols + 1 + d]
         student_hidden = _to_vocab_shards(out.hidden[rows, cols].to(weight.dtype), tp_size)
-        valid = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        if chunk > 0:
-            res = chunked_draft_loss(student_hidden, weight, teacher, valid, chunk_size=chunk, target_ids=target,
-                                     **kwargs)
-        else:
-            res = draft_loss(F.linear(student_hidden, weight), teacher, valid, target_ids=target, **kwargs)
-        loss_sum, num_tokens = res.loss_sum * w, res.num_tokens * w
-        total = loss_sum if total is None else total + loss_sum
-        count = num_tokens if count is None else count + num_tokens
-        per_depth.append((float(res.loss_sum.detach()), float(res.num_tokens), float(res.top1_agree)))
-    return DraftResult(total, count, per_depth)
+        sums.add(projected_draft_loss(student_hidden, weight, teacher, target, chunk, **kwargs), w)
+    return sums.result()
 
 
 def _to_vocab_shards(hidden: torch.Tensor, tp_size: int) -> torch.Tensor:
