@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from skyrl_mtp.drafters.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
+from skyrl_mtp.drafters.eagle3_export import layer_shape_fields, write_export
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
@@ -88,18 +89,8 @@ def dflash_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.float32) -> d
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
+        **layer_shape_fields(cfg),
         "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": cfg.block_size,
@@ -110,8 +101,6 @@ def dflash_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.float32) -> d
 
 def export_dflash(drafter: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors for vLLM into ``out_dir``; returns it."""
-    from skyrl_mtp.drafters.eagle3_export import write_export
-
     return write_export(drafter, lambda dtype: dflash_hf_config(cfg, dtype), out_dir)
 
 

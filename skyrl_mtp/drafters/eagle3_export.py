@@ -61,6 +61,16 @@ def check_eagle3_export(path: str | Path, target_hf_config: dict, key: str = "En
         raise ValueError(f"{where} is invalid: no {WEIGHTS} there")
 
 
+def layer_shape_fields(cfg) -> dict:
+    """The config.json fields of a drafter's decoder layers (the target's width, heads, norm, RoPE base, vocabulary
+    and context; SwiGLU, no attention bias), shared by the EAGLE-3 and DFlash exports."""
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": False}
+
+
 def eagle3_hf_config(cfg: Eagle3Config, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json vLLM reads for the drafter ``cfg``."""
     from skyrl_mtp.models.families.dense_common import LLAMA3_ROPE_FIXED
@@ -70,19 +80,9 @@ def eagle3_hf_config(cfg: Eagle3Config, dtype: torch.dtype = torch.float32) -> d
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
+        **layer_shape_fields(cfg),
         "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
         **rope,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
